@@ -1,0 +1,64 @@
+"""odb-core: online dynamic batching with a verified distributed alignment protocol.
+
+`import odb_core` never imports torch.
+"""
+
+from __future__ import annotations
+
+from odb_core.batch import Batch
+from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
+from odb_core.cost import AttentionAware, BatchStats, Budget, Multimodal, PackedTokens, PaddedTokens
+from odb_core.errors import (
+    ConfigError,
+    DuplicateSampleError,
+    ODBError,
+    ODBPeerError,
+    OversizeSampleError,
+    ProtocolError,
+    SampleError,
+)
+from odb_core.formers import FormerKind, best_fit_decreasing, sort_window_greedy
+from odb_core.protocol import (
+    Contribution,
+    RankMachine,
+    RankPhase,
+    RoundDecision,
+    StepInfo,
+    decide_round,
+)
+from odb_core.sample import Sample, make_sample
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionAware",
+    "Batch",
+    "BatchStats",
+    "Budget",
+    "ConfigError",
+    "Contribution",
+    "DuplicateSampleError",
+    "FormerKind",
+    "LossNormalization",
+    "Mode",
+    "Multimodal",
+    "ODBError",
+    "ODBPeerError",
+    "OversizePolicy",
+    "OversizeSampleError",
+    "PackedTokens",
+    "PaddedTokens",
+    "ProtocolConfig",
+    "ProtocolError",
+    "RankMachine",
+    "RankPhase",
+    "RoundDecision",
+    "Sample",
+    "SampleError",
+    "StepInfo",
+    "__version__",
+    "best_fit_decreasing",
+    "decide_round",
+    "make_sample",
+    "sort_window_greedy",
+]

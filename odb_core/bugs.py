@@ -1,0 +1,185 @@
+"""Deliberately broken protocol variants, one per guarantee.
+
+Each variant changes one rule of `RankMachine`. The checker must report a
+counterexample for the property named in `BugVariant.violates`; the tests and
+`odb check --bug NAME` show it, so no guarantee is vacuously true (the habit of
+MongoDB's *_bug.cfg models).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import replace
+
+from odb_core.batch import Batch
+from odb_core.config import Mode, ProtocolConfig
+from odb_core.cost import Budget
+from odb_core.model import ModelConfig, round_robin_shards
+from odb_core.protocol import (
+    Contribution,
+    RankAction,
+    RankMachine,
+    RankPhase,
+    RoundResult,
+)
+
+
+class SilentStop(RankMachine):
+    """A rank that runs dry stops without telling the others."""
+
+    def contribute(self) -> Contribution:
+        c = super().contribute()
+        if c.final and c.offered == 0:
+            self.phase = RankPhase.DONE
+        return c
+
+
+class NoPads(RankMachine):
+    """Each rank runs only the steps it has real batches for: no pad steps."""
+
+    def all_gather(self, contributions: Sequence[Contribution]) -> RoundResult:
+        result = super().all_gather(contributions)
+        real = tuple(s for s in result.steps if not s.is_pad)
+        self.steps -= len(result.steps) - len(real)
+        self.pads -= len(result.steps) - len(real)
+        return result._replace(steps=real)
+
+
+class DropLeftovers(RankMachine):
+    """The former's leftovers are discarded instead of carried to the next window."""
+
+    def form(self) -> list[Batch]:
+        batches = super().form()
+        self.buffer = {}
+        return batches
+
+
+class PadRepeatsBatch(RankMachine):
+    """A pad step re-emits the round's first real batch as if it were real."""
+
+    def all_gather(self, contributions: Sequence[Contribution]) -> RoundResult:
+        result = super().all_gather(contributions)
+        real = [s for s in result.steps if not s.is_pad]
+        if not real:
+            return result
+        first = real[0]
+        steps = tuple(
+            replace(
+                s,
+                is_pad=False,
+                batch=first.batch,
+                local_samples=first.local_samples,
+                local_tokens=first.local_tokens,
+            )
+            if s.is_pad
+            else s
+            for s in result.steps
+        )
+        return result._replace(steps=steps)
+
+
+class FormKeepsWindow(RankMachine):
+    """The former's batches are not removed from the window, so they form again."""
+
+    def form(self) -> list[Batch]:
+        window = dict(self.buffer)
+        batches = super().form()
+        self.buffer = window
+        return batches
+
+
+class QuotaForgetsLedger(RankMachine):
+    """A quota-mode close discards what was not emitted instead of carrying it."""
+
+    def all_gather(self, contributions: Sequence[Contribution]) -> RoundResult:
+        return super().all_gather(contributions)._replace(carried=())
+
+
+class IgnoreBudget(RankMachine):
+    """The former packs the whole window into one batch, budget or not."""
+
+    def form(self) -> list[Batch]:
+        self._require(RankAction.FORM)
+        batch = Batch(tuple(sorted(self.buffer.values())))
+        self.ready.append(batch)
+        self.buffer = {}
+        return [batch]
+
+
+class EagerContribute(RankMachine):
+    """A rank may enter the collective before it has formed a batch, so rounds can
+    agree on zero steps and an epoch can take unboundedly many collectives."""
+
+    def enabled(self) -> frozenset[RankAction]:
+        base = super().enabled()
+        if self.phase is RankPhase.FILLING and RankAction.OBSERVE in base:
+            return base | {RankAction.CONTRIBUTE}
+        return base
+
+
+class BugVariant(enum.Enum):
+    SILENT_STOP = "silent-stop"
+    NO_PADS = "no-pads"
+    DROP_LEFTOVERS = "drop-leftovers"
+    PAD_REPEATS_BATCH = "pad-repeats-batch"
+    FORM_KEEPS_WINDOW = "form-keeps-window"
+    QUOTA_FORGETS_LEDGER = "quota-forgets-ledger"
+    IGNORE_BUDGET = "ignore-budget"
+    EAGER_CONTRIBUTE = "eager-contribute"
+
+    @property
+    def machine(self) -> type[RankMachine]:
+        return _MACHINES[self]
+
+    @property
+    def violates(self) -> str:
+        """The guarantee whose counterexample this variant must produce."""
+        return _VIOLATES[self]
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.QUOTA if self is BugVariant.QUOTA_FORGETS_LEDGER else Mode.JOIN
+
+    def model(self) -> ModelConfig:
+        """A small configuration on which the checker finds this bug."""
+        costs, world, buffer = _SMALL_MODEL.get(self, ((1, 2, 3, 1, 2, 3), 3, 2))
+        protocol = ProtocolConfig(
+            world_size=world,
+            budget=Budget(4),
+            buffer_size=buffer,
+            mode=self.mode,
+            max_steps_per_round=2,
+        )
+        return ModelConfig(protocol, round_robin_shards(costs, world), machine=self.machine)
+
+
+# A pad next to a real batch in one round needs a rank that ends with fewer
+# batches than another final rank: rank 0 gets costs 3,3 (two batches), rank 1
+# costs 3,1 (one batch).
+_SMALL_MODEL: dict[BugVariant, tuple[tuple[int, ...], int, int]] = {
+    BugVariant.PAD_REPEATS_BATCH: ((3, 3, 3, 1), 2, 3),
+}
+
+
+_MACHINES: dict[BugVariant, type[RankMachine]] = {
+    BugVariant.SILENT_STOP: SilentStop,
+    BugVariant.NO_PADS: NoPads,
+    BugVariant.DROP_LEFTOVERS: DropLeftovers,
+    BugVariant.PAD_REPEATS_BATCH: PadRepeatsBatch,
+    BugVariant.FORM_KEEPS_WINDOW: FormKeepsWindow,
+    BugVariant.QUOTA_FORGETS_LEDGER: QuotaForgetsLedger,
+    BugVariant.IGNORE_BUDGET: IgnoreBudget,
+    BugVariant.EAGER_CONTRIBUTE: EagerContribute,
+}
+
+_VIOLATES: dict[BugVariant, str] = {
+    BugVariant.SILENT_STOP: "DeadlockFreedom",
+    BugVariant.NO_PADS: "StepAlignment",
+    BugVariant.DROP_LEFTOVERS: "NoLoss",
+    BugVariant.PAD_REPEATS_BATCH: "NoDuplicate",
+    BugVariant.FORM_KEEPS_WINDOW: "NoDuplicate",
+    BugVariant.QUOTA_FORGETS_LEDGER: "QuotaClosure",
+    BugVariant.IGNORE_BUDGET: "BudgetSafety",
+    BugVariant.EAGER_CONTRIBUTE: "BoundedTermination",
+}

@@ -1,0 +1,225 @@
+"""Explicit-state checker: breadth-first search over the global model.
+
+Every reachable state is checked against `INVARIANTS`; the state graph (a
+networkx MultiDiGraph labelled with action names) is then checked for
+DeadlockFreedom (every state without successors has all ranks done) and
+Termination (the graph is acyclic, so every schedule ends, and its longest
+path is reported). Counterexamples come back as the shortest trace of action
+labels from the initial state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from odb_core.errors import ODBError
+from odb_core.invariants import INVARIANTS
+from odb_core.model import GlobalModel, GlobalState, ModelConfig
+from odb_core.protocol import rounds_bound, steps_bound
+
+GRAPH_PROPERTIES = ("DeadlockFreedom", "Termination")
+PROPERTIES = (*INVARIANTS, *GRAPH_PROPERTIES)
+
+
+@dataclass
+class Violation:
+    property: str
+    reason: str
+    trace: list[str]
+    state: GlobalState
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "property": self.property,
+            "reason": self.reason,
+            "trace": self.trace,
+            "state": describe_state(self.state),
+        }
+
+
+@dataclass
+class CheckReport:
+    config: dict[str, Any]
+    states: int = 0
+    edges: int = 0
+    terminal_states: int = 0
+    deadlocks: int = 0
+    max_steps_seen: int = 0
+    max_rounds_seen: int = 0
+    steps_bound: int = 0
+    rounds_bound: int = 0
+    longest_schedule: int = 0
+    acyclic: bool = True
+    complete: bool = True
+    elapsed_s: float = 0.0
+    violations: list[Violation] = field(default_factory=list)
+    graph: nx.MultiDiGraph[int] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.complete and not self.violations
+
+    @property
+    def states_per_s(self) -> float:
+        return self.states / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def violated(self) -> set[str]:
+        return {v.property for v in self.violations}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "engine": "python",
+            "ok": self.ok,
+            "config": self.config,
+            "states": self.states,
+            "edges": self.edges,
+            "terminal_states": self.terminal_states,
+            "deadlocks": self.deadlocks,
+            "max_steps_seen": self.max_steps_seen,
+            "max_rounds_seen": self.max_rounds_seen,
+            "steps_bound": self.steps_bound,
+            "rounds_bound": self.rounds_bound,
+            "longest_schedule": self.longest_schedule,
+            "acyclic": self.acyclic,
+            "complete": self.complete,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "states_per_s": round(self.states_per_s),
+            "violations": [v.to_json() for v in self.violations],
+        }
+
+
+def describe_state(state: GlobalState) -> dict[str, Any]:
+    """Readable, spec-named view of a global state."""
+    return {
+        "phase": [rs.phase.value for rs in state.ranks],
+        "exhausted": [rs.exhausted for rs in state.ranks],
+        "pending": [sorted(p) for p in state.pending],
+        "buffer": [[s.id for s in rs.buffer] for rs in state.ranks],
+        "ready": [[list(b.ids) for b in rs.ready] for rs in state.ranks],
+        "steps": [rs.steps for rs in state.ranks],
+        "pads": [rs.pads for rs in state.ranks],
+        "round": [rs.round for rs in state.ranks],
+        "inbox": [i is not None for i in state.inbox],
+        "delivered": list(state.delivered),
+        "ledger": sorted(state.ledger),
+    }
+
+
+def check(
+    cfg: ModelConfig,
+    *,
+    max_states: int = 2_000_000,
+    keep_graph: bool = False,
+    properties: Iterable[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> CheckReport:
+    """Explore every reachable state of `cfg` (up to `max_states`).
+
+    `properties` restricts the check to the named invariants and graph properties
+    (DeadlockFreedom, Termination), as a TLC config lists the ones it checks; by
+    default all are checked. States that violate a checked invariant are not
+    expanded further.
+    """
+    wanted = set(properties) if properties is not None else set(PROPERTIES)
+    unknown = wanted - set(PROPERTIES)
+    if unknown:
+        raise ValueError(f"unknown properties {sorted(unknown)}; known: {sorted(PROPERTIES)}")
+    invariants = {k: v for k, v in INVARIANTS.items() if k in wanted}
+    model = GlobalModel(cfg)
+    report = CheckReport(config=_describe_config(cfg))
+    report.steps_bound = steps_bound(cfg.samples_per_rank)
+    report.rounds_bound = rounds_bound(cfg.samples_per_rank)
+    start = time.perf_counter()
+    init = model.init()
+    index: dict[GlobalState, int] = {init: 0}
+    states: list[GlobalState] = [init]
+    parent: list[tuple[int, str]] = [(-1, "")]
+    edges: list[tuple[int, int, str]] = []
+    frontier: deque[int] = deque([0])
+    found: set[str] = set()
+
+    def trace_to(n: int) -> list[str]:
+        labels: list[str] = []
+        while parent[n][0] >= 0:
+            labels.append(parent[n][1])
+            n = parent[n][0]
+        return labels[::-1]
+
+    def record(prop: str, reason: str, n: int) -> None:
+        if prop not in found:
+            found.add(prop)
+            report.violations.append(Violation(prop, reason, trace_to(n), states[n]))
+
+    while frontier:
+        n = frontier.popleft()
+        s = states[n]
+        report.max_steps_seen = max(report.max_steps_seen, max(r.steps for r in s.ranks))
+        report.max_rounds_seen = max(report.max_rounds_seen, max(r.round for r in s.ranks))
+        bad = False
+        for name, inv in invariants.items():
+            reason = inv(s, cfg)
+            if reason is not None:
+                record(name, reason, n)
+                bad = True
+        if bad:
+            continue  # do not expand past a violation: keeps broken models finite
+        try:
+            succ = list(model.successors(s))
+        except ODBError as exc:
+            record(type(exc).__name__, str(exc), n)
+            continue
+        if not succ:
+            if s.all_done:
+                report.terminal_states += 1
+            else:
+                report.deadlocks += 1
+                if "DeadlockFreedom" in wanted:
+                    record("DeadlockFreedom", "no action enabled and not all ranks done", n)
+        for action, t in succ:
+            m = index.get(t)
+            if m is None:
+                m = len(states)
+                index[t] = m
+                states.append(t)
+                parent.append((n, action.label))
+                frontier.append(m)
+            edges.append((n, m, action.label))
+        if len(states) > max_states:
+            report.complete = False
+            break
+        if progress is not None and n and n % 50_000 == 0:
+            progress(n)
+    graph: nx.MultiDiGraph[int] = nx.MultiDiGraph()
+    graph.add_nodes_from(range(len(states)))
+    for u, v, label in edges:
+        graph.add_edge(u, v, key=label)
+    report.states = graph.number_of_nodes()
+    report.edges = graph.number_of_edges()
+    if report.complete:
+        report.acyclic = nx.is_directed_acyclic_graph(graph)
+        if report.acyclic:
+            report.longest_schedule = nx.dag_longest_path_length(graph)
+        elif "Termination" in wanted:
+            cycle = nx.find_cycle(graph, source=0)
+            record("Termination", "a schedule can run forever", cycle[0][0])
+    report.elapsed_s = time.perf_counter() - start
+    if keep_graph:
+        nx.set_node_attributes(graph, dict(enumerate(states)), "state")
+        report.graph = graph
+    return report
+
+
+def _describe_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **cfg.protocol.describe(),
+        "samples": cfg.n_samples,
+        "samples_per_rank": list(cfg.samples_per_rank),
+        "costs": [cfg.sample(i).length for i in range(cfg.n_samples)],
+        "machine": cfg.machine.__name__,
+    }

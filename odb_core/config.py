@@ -1,0 +1,122 @@
+"""Typed protocol configuration, validated whole before anything uses it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from odb_core.cost import Budget, CostModel, PackedTokens
+from odb_core.errors import ConfigError
+from odb_core.formers import FormerKind
+
+
+class Mode(enum.Enum):
+    """How an epoch closes."""
+
+    JOIN = "join"
+    """Default. Every sample of the epoch is emitted exactly once; ranks that run
+    out early emit pad steps so every rank runs the same number of steps."""
+    QUOTA = "quota"
+    """All ranks close at the same step once a global sample quota is met or the
+    first rank runs dry; what was not emitted is carried in the ledger."""
+
+
+class OversizePolicy(enum.Enum):
+    """What to do with one sample whose cost alone exceeds the budget."""
+
+    ERROR = "error"
+    SOLO = "solo"
+    TRUNCATE = "truncate"
+
+
+class LossNormalization(enum.Enum):
+    """The global denominator `StepInfo.loss_scale` normalises by."""
+
+    TOKENS = "tokens"
+    SAMPLES = "samples"
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def coerce_enum(kind: type[E], name: str, value: object) -> E:
+    """Accept an enum member or its value; raise ConfigError naming the value otherwise."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in kind)
+        raise ConfigError(f"unknown {name} {value!r}; expected one of {allowed}") from None
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+    return value
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """Everything the DGAP protocol needs, identical on every rank.
+
+    `buffer_size` is the window K a rank fills before forming batches;
+    `max_steps_per_round` (M) caps the steps agreed per collective and so the
+    size of the all-gathered vector (2 + 2M integers).
+    """
+
+    world_size: int
+    budget: Budget
+    cost_model: CostModel = field(default_factory=PackedTokens)
+    buffer_size: int = 64
+    mode: Mode = Mode.JOIN
+    former: FormerKind = FormerKind.SORT_WINDOW_GREEDY
+    oversize: OversizePolicy = OversizePolicy.ERROR
+    max_steps_per_round: int = 8
+    quota: int | None = None
+    deterministic: bool = False
+    loss_normalization: LossNormalization = LossNormalization.TOKENS
+
+    def __post_init__(self) -> None:
+        _positive_int("world_size", self.world_size)
+        _positive_int("buffer_size", self.buffer_size)
+        _positive_int("max_steps_per_round", self.max_steps_per_round)
+        if not isinstance(self.budget, Budget):
+            raise ConfigError(f"budget={self.budget!r} must be a Budget")
+        if not callable(getattr(self.cost_model, "cost", None)):
+            raise ConfigError(f"cost_model={self.cost_model!r} has no cost(stats) method")
+        object.__setattr__(self, "mode", coerce_enum(Mode, "mode", self.mode))
+        object.__setattr__(self, "former", coerce_enum(FormerKind, "former", self.former))
+        object.__setattr__(
+            self, "oversize", coerce_enum(OversizePolicy, "oversize policy", self.oversize)
+        )
+        object.__setattr__(
+            self,
+            "loss_normalization",
+            coerce_enum(LossNormalization, "loss normalization", self.loss_normalization),
+        )
+        if self.quota is not None:
+            _positive_int("quota", self.quota)
+            if self.mode is not Mode.QUOTA:
+                raise ConfigError(f"quota={self.quota!r} is only meaningful with mode='quota'")
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError(f"deterministic={self.deterministic!r} must be a bool")
+
+    def describe(self) -> dict[str, Any]:
+        """Plain-data summary, used in reports and to fingerprint resumable state."""
+        return {
+            "world_size": self.world_size,
+            "budget_tokens": self.budget.tokens,
+            "max_samples": self.budget.max_samples,
+            "max_patches": self.budget.max_patches,
+            "cost_model": self.cost_model.name,
+            "buffer_size": self.buffer_size,
+            "mode": self.mode.value,
+            "former": self.former.value,
+            "oversize": self.oversize.value,
+            "max_steps_per_round": self.max_steps_per_round,
+            "quota": self.quota,
+            "deterministic": self.deterministic,
+            "loss_normalization": self.loss_normalization.value,
+        }

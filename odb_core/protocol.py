@@ -1,0 +1,480 @@
+"""The per-rank DGAP protocol state machine (sans-IO).
+
+One `RankMachine` per rank takes events and returns decisions. It never does I/O:
+adapters pull samples, move the all-gather vector and yield batches; the model
+checker, the simulator and the tests drive the very same class.
+
+Phases and the one local action each allows (h11-style: anything else raises
+ProtocolError at once):
+
+    FILLING  --observe / exhaust-->  FILLING   while the rank needs a sample
+    FILLING  --form-->               FILLING   window full, or source dry
+    FILLING  --contribute-->         WAITING   ready batches, or dry and empty
+    WAITING  --observe / exhaust-->  WAITING   prefetch into the window while the
+                                               collective is in flight
+    WAITING  --all_gather-->         FILLING | DONE
+    DONE     (terminal for the epoch)
+
+A FILLING rank has exactly one enabled action kind, and prefetching while
+WAITING only adds to the window, which the next `form` reads in full; so the
+batches a rank forms are a function of its own arrival order. All cross-rank
+agreement goes through the one collective per round, whose result every rank
+reduces with the same pure `decide_round`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from odb_core.batch import Batch
+from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
+from odb_core.cost import BatchStats
+from odb_core.errors import (
+    DuplicateSampleError,
+    ODBPeerError,
+    OversizeSampleError,
+    ProtocolError,
+)
+from odb_core.formers import FORMERS
+from odb_core.sample import Sample
+
+
+class RankPhase(str, enum.Enum):
+    # str mixin: C-level hashing, since phases sit inside every checked state.
+    FILLING = "filling"
+    WAITING = "waiting"
+    DONE = "done"
+
+
+class RankAction(enum.Enum):
+    """Local actions of one rank; names match the actions of spec/DGAP.tla."""
+
+    OBSERVE = "Observe"
+    EXHAUST = "Exhaust"
+    FORM = "Form"
+    CONTRIBUTE = "Contribute"
+
+
+_NOTHING: frozenset[RankAction] = frozenset()
+_NEEDS_SAMPLE = frozenset({RankAction.OBSERVE, RankAction.EXHAUST})
+_FORM = frozenset({RankAction.FORM})
+_CONTRIBUTE = frozenset({RankAction.CONTRIBUTE})
+
+
+class Contribution(NamedTuple):
+    """What one rank puts into the round's all-gather.
+
+    `offered`: steps this rank can fill with real batches (<= M).
+    `final`: the rank's source is dry and the offered batches are all it has.
+    `samples[t]`, `tokens[t]`: size of the t-th offered batch, for exact global
+    loss normalisation without a second collective.
+    """
+
+    offered: int
+    final: bool
+    samples: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+    def to_vector(self, max_steps: int) -> list[int]:
+        pad = [0] * (max_steps - self.offered)
+        return [self.offered, int(self.final), *self.samples, *pad, *self.tokens, *pad]
+
+    @staticmethod
+    def from_vector(vector: Sequence[int], max_steps: int) -> Contribution:
+        if len(vector) != 2 + 2 * max_steps:
+            raise ODBPeerError(
+                f"all-gather vector of length {len(vector)}, expected {2 + 2 * max_steps}"
+            )
+        offered, final = int(vector[0]), int(vector[1])
+        if not 0 <= offered <= max_steps or final not in (0, 1):
+            raise ODBPeerError(f"malformed all-gather vector {list(vector)!r}")
+        samples = tuple(int(x) for x in vector[2 : 2 + offered])
+        tokens = tuple(int(x) for x in vector[2 + max_steps : 2 + max_steps + offered])
+        return Contribution(offered, bool(final), samples, tokens)
+
+
+class RoundDecision(NamedTuple):
+    """What every rank derives, identically, from one all-gather."""
+
+    steps: int
+    done: bool
+    global_samples: tuple[int, ...]
+    global_tokens: tuple[int, ...]
+
+
+def decide_round(
+    mode: Mode,
+    quota: int | None,
+    emitted_before: int,
+    contributions: Sequence[Contribution],
+) -> RoundDecision:
+    """The collective semantics: how many aligned steps this round runs, and whether
+    the epoch closes after them. Pure, so every rank computes the same answer.
+
+    join:  k = min offered over ranks that are not final (each of them can fill
+           every step); when all are final, k = max offered and the epoch ends.
+           A final rank with fewer than k batches pads.
+    quota: k = min offered over all ranks (no pads); the epoch ends when a final
+           rank empties (first rank runs dry) or, at the exact step, when the
+           global sample count reaches the quota.
+    """
+    if not contributions:
+        raise ProtocolError("decide_round needs the contribution of every rank, got none")
+    if mode is Mode.JOIN:
+        open_offers = [c.offered for c in contributions if not c.final]
+        if open_offers:
+            k, done = min(open_offers), False
+        else:
+            k, done = max(c.offered for c in contributions), True
+    else:
+        k = min(c.offered for c in contributions)
+        done = any(c.final and c.offered == k for c in contributions)
+    gs = tuple(sum(c.samples[t] for c in contributions if t < c.offered) for t in range(k))
+    gt = tuple(sum(c.tokens[t] for c in contributions if t < c.offered) for t in range(k))
+    if mode is Mode.QUOTA and quota is not None:
+        total = emitted_before
+        for t in range(k):
+            total += gs[t]
+            if total >= quota:
+                k, done = t + 1, True
+                gs, gt = gs[:k], gt[:k]
+                break
+    return RoundDecision(k, done, gs, gt)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Everything a training step needs to know about the batch just yielded."""
+
+    step: int
+    rank: int
+    round: int
+    is_pad: bool
+    batch: Batch | None
+    local_samples: int
+    global_samples: int
+    local_tokens: int
+    global_tokens: int
+    loss_scale: float
+    truncated: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def sample_ids(self) -> tuple[int, ...]:
+        return () if self.batch is None else self.batch.ids
+
+
+class RoundResult(NamedTuple):
+    steps: tuple[StepInfo, ...]
+    done: bool
+    carried: tuple[Sample, ...]
+
+
+class RankSnapshot(NamedTuple):
+    """Hashable protocol state of one rank; mirrors the per-rank variables of the spec."""
+
+    phase: RankPhase
+    exhausted: bool
+    buffer: tuple[Sample, ...]
+    ready: tuple[Batch, ...]
+    steps: int
+    pads: int
+    round: int
+    emitted: int
+    contribution: Contribution | None
+
+
+def _loss_scale(
+    norm: LossNormalization, world: int, local: tuple[int, int], global_: tuple[int, int]
+) -> float:
+    # DDP/FSDP average gradients over W ranks, so a local mean loss times
+    # W * local / global yields exactly the global per-token (or per-sample) mean.
+    idx = 1 if norm is LossNormalization.TOKENS else 0
+    if global_[idx] == 0 or local[idx] == 0:
+        return 0.0
+    return world * local[idx] / global_[idx]
+
+
+class RankMachine:
+    """The protocol state of one rank for one epoch."""
+
+    def __init__(self, rank: int, config: ProtocolConfig) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < config.world_size:
+            raise ProtocolError(f"rank={rank!r} is not in [0, {config.world_size})")
+        self.rank = rank
+        self.config = config
+        self.phase = RankPhase.FILLING
+        self.exhausted = False
+        self.buffer: dict[int, Sample] = {}
+        self.ready: deque[Batch] = deque()
+        self.steps = 0
+        self.pads = 0
+        self.round = 0
+        self.emitted = 0  # global real samples emitted so far this epoch (same on all ranks)
+        self._seen: set[int] = set()
+        self._truncated: dict[int, int] = {}
+        self._contribution: Contribution | None = None
+        self._former = FORMERS[config.former]
+
+    # ---- queries -------------------------------------------------------
+
+    def enabled(self) -> frozenset[RankAction]:
+        """Local actions legal now. OBSERVE and EXHAUST are both 'needs a sample':
+        the source decides which one happens."""
+        k = self.config.buffer_size
+        if self.phase is RankPhase.WAITING:
+            if not self.exhausted and len(self.buffer) < k:
+                return _NEEDS_SAMPLE
+            return _NOTHING
+        if self.phase is RankPhase.DONE:
+            return _NOTHING
+        if self.ready:
+            return _CONTRIBUTE
+        if len(self.buffer) >= k or (self.exhausted and self.buffer):
+            return _FORM
+        if self.exhausted:
+            return _CONTRIBUTE
+        return _NEEDS_SAMPLE
+
+    @property
+    def needs_sample(self) -> bool:
+        return RankAction.OBSERVE in self.enabled()
+
+    @property
+    def contribution(self) -> Contribution | None:
+        return self._contribution
+
+    def _require(self, action: RankAction) -> None:
+        if action not in self.enabled():
+            raise ProtocolError(
+                f"rank {self.rank}: {action.value} is illegal in phase {self.phase.value} "
+                f"(exhausted={self.exhausted}, buffer={len(self.buffer)}, "
+                f"ready={len(self.ready)}); enabled: "
+                f"{sorted(a.value for a in self.enabled())}"
+            )
+
+    # ---- events --------------------------------------------------------
+
+    def observe(self, sample: Sample) -> None:
+        """A processed sample arrived from this rank's source."""
+        self._require(RankAction.OBSERVE)
+        if sample.id in self._seen or sample.id in self.buffer:
+            raise DuplicateSampleError(
+                f"rank {self.rank}: sample id {sample.id!r} observed twice in this epoch"
+            )
+        sample = self._apply_oversize_policy(sample)
+        self._seen.add(sample.id)
+        self.buffer[sample.id] = sample
+
+    def exhaust(self) -> None:
+        """This rank's source has no more samples this epoch."""
+        self._require(RankAction.EXHAUST)
+        self.exhausted = True
+
+    def form(self) -> list[Batch]:
+        """Run the former on the window; closed batches become ready."""
+        self._require(RankAction.FORM)
+        flush = len(self.buffer) < self.config.buffer_size
+        result = self._former(
+            list(self.buffer.values()), self.config.budget, self.config.cost_model, flush
+        )
+        self.ready.extend(result.batches)
+        self.buffer = {s.id: s for s in result.leftovers}
+        return result.batches
+
+    def contribute(self) -> Contribution:
+        """Enter the round's collective; returns this rank's vector."""
+        self._require(RankAction.CONTRIBUTE)
+        self._contribution = self._make_contribution()
+        self.phase = RankPhase.WAITING
+        return self._contribution
+
+    def all_gather(self, contributions: Sequence[Contribution]) -> RoundResult:
+        """The round's collective returned; emit the agreed aligned steps."""
+        if self.phase is not RankPhase.WAITING or self._contribution is None:
+            raise ProtocolError(
+                f"rank {self.rank}: all_gather is illegal in phase {self.phase.value}"
+            )
+        if len(contributions) != self.config.world_size:
+            raise ODBPeerError(
+                f"rank {self.rank}: all-gather returned {len(contributions)} vectors "
+                f"for world size {self.config.world_size}"
+            )
+        if contributions[self.rank] != self._contribution:
+            raise ODBPeerError(
+                f"rank {self.rank}: all-gather returned {contributions[self.rank]!r} as this "
+                f"rank's vector, but it sent {self._contribution!r}"
+            )
+        decision = decide_round(self.config.mode, self.config.quota, self.emitted, contributions)
+        steps = self._emit(decision)
+        self.round += 1
+        self._contribution = None
+        carried: tuple[Sample, ...] = ()
+        if decision.done:
+            carried = self._close()
+        else:
+            self.phase = RankPhase.FILLING
+        return RoundResult(steps, decision.done, carried)
+
+    # ---- conveniences for drivers ---------------------------------------
+
+    def fill(self, pull: Callable[[], Sample | None]) -> Contribution:
+        """Run local actions, pulling samples with `pull` (None = source dry),
+        until the rank contributes. Adapters and the simulator use this."""
+        while True:
+            enabled = self.enabled()
+            if RankAction.CONTRIBUTE in enabled:
+                return self.contribute()
+            if RankAction.FORM in enabled:
+                self.form()
+            elif RankAction.OBSERVE in enabled:
+                s = pull()
+                if s is None:
+                    self.exhaust()
+                else:
+                    self.observe(s)
+            else:
+                raise ProtocolError(f"rank {self.rank}: fill() in phase {self.phase.value}")
+
+    def snapshot(self) -> RankSnapshot:
+        return RankSnapshot(
+            self.phase,
+            self.exhausted,
+            tuple(sorted(self.buffer.values(), key=lambda s: s.id)),
+            tuple(self.ready),
+            self.steps,
+            self.pads,
+            self.round,
+            self.emitted,
+            self._contribution,
+        )
+
+    @classmethod
+    def restore(cls, rank: int, config: ProtocolConfig, snap: RankSnapshot) -> RankMachine:
+        """Rebuild a machine from a snapshot (used by the model checker)."""
+        m = cls(rank, config)
+        m.phase = snap.phase
+        m.exhausted = snap.exhausted
+        m.buffer = {s.id: s for s in snap.buffer}
+        m.ready = deque(snap.ready)
+        m.steps, m.pads, m.round, m.emitted = snap.steps, snap.pads, snap.round, snap.emitted
+        m._seen = set(m.buffer) | {s.id for b in m.ready for s in b.samples}
+        m._contribution = snap.contribution
+        return m
+
+    # ---- internals -----------------------------------------------------
+
+    def _make_contribution(self) -> Contribution:
+        m = self.config.max_steps_per_round
+        offered = min(len(self.ready), m)
+        head = [self.ready[i] for i in range(offered)]
+        final = self.exhausted and not self.buffer and len(self.ready) <= m
+        return Contribution(
+            offered,
+            final,
+            tuple(len(b.samples) for b in head),
+            tuple(b.tokens for b in head),
+        )
+
+    def _emit(self, decision: RoundDecision) -> tuple[StepInfo, ...]:
+        out = []
+        norm = self.config.loss_normalization
+        world = self.config.world_size
+        for t in range(decision.steps):
+            glob = (decision.global_samples[t], decision.global_tokens[t])
+            if self.ready:
+                batch: Batch | None = self.ready.popleft()
+                assert batch is not None
+                local = (len(batch.samples), batch.tokens)
+                truncated = tuple(
+                    (s.id, s.tokens) for s in batch.samples if s.id in self._truncated
+                )
+            else:
+                batch, local, truncated = None, (0, 0), ()
+                self.pads += 1
+            out.append(
+                StepInfo(
+                    step=self.steps,
+                    rank=self.rank,
+                    round=self.round,
+                    is_pad=batch is None,
+                    batch=batch,
+                    local_samples=local[0],
+                    global_samples=glob[0],
+                    local_tokens=local[1],
+                    global_tokens=glob[1],
+                    loss_scale=_loss_scale(norm, world, local, glob),
+                    truncated=truncated,
+                )
+            )
+            self.steps += 1
+            self.emitted += glob[0]
+        return tuple(out)
+
+    def _close(self) -> tuple[Sample, ...]:
+        self.phase = RankPhase.DONE
+        carried = tuple(self.buffer.values()) + tuple(s for b in self.ready for s in b.samples)
+        if carried and self.config.mode is Mode.JOIN:
+            raise ProtocolError(
+                f"rank {self.rank}: join-mode epoch closed with {len(carried)} samples not emitted"
+            )
+        self.buffer = {}
+        self.ready.clear()
+        return carried
+
+    def _apply_oversize_policy(self, s: Sample) -> Sample:
+        budget, model = self.config.budget, self.config.cost_model
+        if budget.fits_alone(s, model):
+            return s
+        policy = self.config.oversize
+        cost = model.cost(BatchStats().add(s))
+        if policy is OversizePolicy.SOLO:
+            return s
+        if policy is OversizePolicy.TRUNCATE:
+            kept = _truncated_tokens(s, self.config)
+            if kept is not None:
+                self._truncated[s.id] = s.tokens
+                return s._replace(tokens=kept)
+            raise OversizeSampleError(
+                f"rank {self.rank}: sample {s.id!r} (tokens={s.tokens}, visual_tokens="
+                f"{s.visual_tokens}, patches={s.patches}) exceeds budget "
+                f"{budget.tokens!r} even with all text truncated"
+            )
+        raise OversizeSampleError(
+            f"rank {self.rank}: sample {s.id!r} costs {cost:g} under the "
+            f"{model.name} cost model, over the budget {budget.tokens!r} "
+            f"(max_samples={budget.max_samples}, max_patches={budget.max_patches}); "
+            "choose oversize='solo' or 'truncate' to admit it"
+        )
+
+
+def _truncated_tokens(s: Sample, config: ProtocolConfig) -> int | None:
+    """Largest text-token count that lets `s` fit alone, or None if none does."""
+    budget, model = config.budget, config.cost_model
+    if not budget.fits_alone(s._replace(tokens=0), model):
+        return None
+    lo, hi = 0, s.tokens  # invariant: lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if budget.fits_alone(s._replace(tokens=mid), model):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def steps_bound(samples_per_rank: Iterable[int]) -> int:
+    """Proven bound on aligned steps in an epoch: max over ranks of its samples.
+
+    Every step some rank that never padded emits a real batch (see proofs/), and a
+    rank emits at most one batch per sample.
+    """
+    return max(samples_per_rank, default=0)
+
+
+def rounds_bound(samples_per_rank: Iterable[int]) -> int:
+    """Proven bound on collectives in an epoch: every round but the last runs >= 1 step."""
+    return steps_bound(samples_per_rank) + 1
