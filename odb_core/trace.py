@@ -1,0 +1,300 @@
+"""Recorded protocol traces of real runs, and their validation against the model.
+
+A `TracingRankMachine` logs every protocol event of one rank together with what
+the rank decided (its all-gather vector, the ids of each emitted step). A trace
+is the per-rank logs plus the protocol config. `validate_trace` linearises the
+per-rank logs (ranks only interact through the all-gather, so any interleaving
+that respects each rank's order and the rendezvous is a valid one), replays it
+through `GlobalModel`, checks every action was enabled, every recorded decision
+equals the model's, and every invariant holds (the etcd-raft habit of trace
+validation). The same linearised action sequence can be handed to TLC.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from odb_core.config import ProtocolConfig
+from odb_core.cost import AttentionAware, Budget, CostModel, Multimodal, PackedTokens, PaddedTokens
+from odb_core.errors import ConfigError
+from odb_core.invariants import INVARIANTS
+from odb_core.model import Action, GlobalModel, GlobalState, ModelConfig
+from odb_core.protocol import Contribution, RankMachine, RoundResult
+from odb_core.sample import Sample
+
+TRACE_VERSION = 1
+
+
+def cost_model_to_dict(model: CostModel) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": model.name}
+    if isinstance(model, AttentionAware):
+        out["alpha"] = model.alpha
+    if isinstance(model, Multimodal):
+        out["visual_weight"] = model.visual_weight
+    return out
+
+
+def cost_model_from_dict(d: dict[str, Any]) -> CostModel:
+    name = d.get("name")
+    if name == "packed":
+        return PackedTokens()
+    if name == "padded":
+        return PaddedTokens()
+    if name == "attention":
+        return AttentionAware(float(d.get("alpha", 1.0 / 4096)))
+    if name == "multimodal":
+        return Multimodal(float(d.get("visual_weight", 1.0)))
+    raise ConfigError(f"unknown cost model {name!r} in trace")
+
+
+def protocol_to_dict(cfg: ProtocolConfig) -> dict[str, Any]:
+    out = cfg.describe()
+    out["cost_model"] = cost_model_to_dict(cfg.cost_model)
+    return out
+
+
+def protocol_from_dict(d: dict[str, Any]) -> ProtocolConfig:
+    return ProtocolConfig(
+        world_size=int(d["world_size"]),
+        budget=Budget(d["budget_tokens"], d.get("max_samples"), d.get("max_patches")),
+        cost_model=cost_model_from_dict(d["cost_model"]),
+        buffer_size=int(d["buffer_size"]),
+        mode=d["mode"],
+        former=d["former"],
+        oversize=d["oversize"],
+        max_steps_per_round=int(d["max_steps_per_round"]),
+        quota=d.get("quota"),
+        deterministic=bool(d.get("deterministic", False)),
+        loss_normalization=d.get("loss_normalization", "tokens"),
+    )
+
+
+@dataclass
+class RankTrace:
+    """The events of one rank, in its own order. Each event is a plain dict:
+    {"action": "Observe", "sample": [id, tokens, visual_tokens, patches]},
+    {"action": "Exhaust"}, {"action": "Form"},
+    {"action": "Contribute", "vector": [...]},
+    {"action": "Receive", "steps": [[ids...] | null (pad), ...], "done": bool}."""
+
+    rank: int
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class TracingRankMachine(RankMachine):
+    """A RankMachine that records its events; behaviour is unchanged."""
+
+    def __init__(self, rank: int, config: ProtocolConfig) -> None:
+        super().__init__(rank, config)
+        self.trace = RankTrace(rank)
+
+    def observe(self, sample: Sample) -> None:
+        super().observe(sample)
+        self.trace.events.append({"action": "Observe", "sample": list(sample)})
+
+    def exhaust(self) -> None:
+        super().exhaust()
+        self.trace.events.append({"action": "Exhaust"})
+
+    def form(self) -> list[Any]:
+        batches = super().form()
+        self.trace.events.append({"action": "Form"})
+        return batches
+
+    def contribute(self) -> Contribution:
+        c = super().contribute()
+        vector = c.to_vector(self.config.max_steps_per_round)
+        self.trace.events.append({"action": "Contribute", "vector": vector})
+        return c
+
+    def all_gather(self, contributions: Sequence[Contribution]) -> RoundResult:
+        result = super().all_gather(contributions)
+        self.trace.events.append(
+            {
+                "action": "Receive",
+                "steps": [None if s.is_pad else list(s.sample_ids) for s in result.steps],
+                "done": result.done,
+            }
+        )
+        return result
+
+
+@dataclass
+class ProtocolTrace:
+    protocol: dict[str, Any]
+    ranks: list[RankTrace]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": TRACE_VERSION,
+            "protocol": self.protocol,
+            "ranks": [{"rank": r.rank, "events": r.events} for r in self.ranks],
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> ProtocolTrace:
+        if d.get("version") != TRACE_VERSION:
+            raise ConfigError(f"trace version {d.get('version')!r}, expected {TRACE_VERSION}")
+        ranks = [RankTrace(int(r["rank"]), list(r["events"])) for r in d["ranks"]]
+        return ProtocolTrace(dict(d["protocol"]), sorted(ranks, key=lambda r: r.rank))
+
+    @staticmethod
+    def from_machines(machines: Iterable[TracingRankMachine]) -> ProtocolTrace:
+        ms = sorted(machines, key=lambda m: m.rank)
+        if not ms:
+            raise ConfigError("a trace needs at least one rank")
+        return ProtocolTrace(protocol_to_dict(ms[0].config), [m.trace for m in ms])
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json()))
+
+    @staticmethod
+    def load(path: str | Path) -> ProtocolTrace:
+        return ProtocolTrace.from_json(json.loads(Path(path).read_text()))
+
+    @staticmethod
+    def merge(paths: Iterable[str | Path]) -> ProtocolTrace:
+        """Merge per-rank trace files (each holding one or more ranks) of one run."""
+        parts = [ProtocolTrace.load(p) for p in paths]
+        if not parts:
+            raise ConfigError("no trace files to merge")
+        if any(p.protocol != parts[0].protocol for p in parts):
+            raise ConfigError("trace files come from runs with different protocol configs")
+        return ProtocolTrace(parts[0].protocol, [r for p in parts for r in p.ranks])
+
+
+@dataclass
+class TraceReport:
+    ok: bool
+    actions: list[str]
+    reason: str = ""
+    model: ModelConfig | None = None
+    id_map: dict[int, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "actions": len(self.actions), "reason": self.reason}
+
+
+def trace_model(trace: ProtocolTrace) -> tuple[ModelConfig, dict[int, int]]:
+    """The model config a trace runs in: each rank's shard is what it observed.
+    Sample ids are renumbered 0..N-1 (in id order) as the model requires."""
+    protocol = protocol_from_dict(trace.protocol)
+    if [r.rank for r in trace.ranks] != list(range(protocol.world_size)):
+        raise ConfigError(
+            f"trace has ranks {[r.rank for r in trace.ranks]} for world size {protocol.world_size}"
+        )
+    observed = [
+        [Sample(*e["sample"]) for e in r.events if e["action"] == "Observe"] for r in trace.ranks
+    ]
+    ids = sorted(s.id for shard in observed for s in shard)
+    if len(set(ids)) != len(ids):
+        raise ConfigError("trace observes some sample id on two ranks or twice")
+    id_map = {old: new for new, old in enumerate(ids)}
+    shards = tuple(tuple(s._replace(id=id_map[s.id]) for s in shard) for shard in observed)
+    return ModelConfig(protocol, shards), id_map
+
+
+def validate_trace(trace: ProtocolTrace) -> TraceReport:
+    """Replay a recorded trace through the model; see the module docstring."""
+    try:
+        cfg, id_map = trace_model(trace)
+    except (ConfigError, KeyError, TypeError) as exc:
+        return TraceReport(False, [], f"malformed trace: {exc}")
+    model = GlobalModel(cfg)
+    state = model.init()
+    cursors = [0] * cfg.protocol.world_size
+    labels: list[str] = []
+
+    def fail(reason: str) -> TraceReport:
+        return TraceReport(False, labels, reason, cfg, id_map)
+
+    while True:
+        progressed = False
+        for r, rt in enumerate(trace.ranks):
+            while cursors[r] < len(rt.events):
+                event = rt.events[cursors[r]]
+                action = _action(event, r, id_map)
+                if action not in model.enabled(state):
+                    break
+                before = state
+                state = model.step(state, action)
+                mismatch = _decision_mismatch(event, before, state, r, cfg, id_map)
+                if mismatch:
+                    labels.append(action.label)
+                    return fail(f"{action.label} (event {cursors[r]} of rank {r}): {mismatch}")
+                labels.append(action.label)
+                cursors[r] += 1
+                progressed = True
+                broken = _first_violation(state, cfg)
+                if broken:
+                    return fail(f"after {action.label}: {broken}")
+        if all(c == len(rt.events) for c, rt in zip(cursors, trace.ranks)):
+            break
+        if not progressed:
+            gather = Action("AllGather")
+            if gather in model.enabled(state):
+                state = model.step(state, gather)
+                labels.append(gather.label)
+                continue
+            stuck = [
+                f"rank {r}: {rt.events[cursors[r]]['action']} (event {cursors[r]})"
+                for r, rt in enumerate(trace.ranks)
+                if cursors[r] < len(rt.events)
+            ]
+            return fail("no recorded event is enabled: " + "; ".join(stuck))
+    if not state.all_done:
+        return fail("trace ends before every rank finished the epoch")
+    return TraceReport(True, labels, "", cfg, id_map)
+
+
+def _action(event: dict[str, Any], rank: int, id_map: dict[int, int]) -> Action:
+    name = event.get("action")
+    if name == "Observe":
+        return Action("Observe", rank, id_map[int(event["sample"][0])])
+    if name in ("Exhaust", "Form", "Contribute", "Receive"):
+        return Action(str(name), rank)
+    raise ConfigError(f"unknown trace action {name!r}")
+
+
+def _decision_mismatch(
+    event: dict[str, Any],
+    before: GlobalState,
+    after: GlobalState,
+    r: int,
+    cfg: ModelConfig,
+    id_map: dict[int, int],
+) -> str:
+    name = event["action"]
+    if name == "Contribute":
+        c = after.ranks[r].contribution
+        assert c is not None
+        model_vector = c.to_vector(cfg.protocol.max_steps_per_round)
+        if list(event["vector"]) != model_vector:
+            return f"recorded vector {event['vector']} but the model contributes {model_vector}"
+    if name == "Receive":
+        delta = [a - b for a, b in zip(after.delivered, before.delivered)]
+        recorded = [i for step in event["steps"] if step is not None for i in step]
+        model_ids = sorted(i for i, d in enumerate(delta) for _ in range(d))
+        if sorted(id_map[i] for i in recorded) != model_ids:
+            return "recorded steps emit different samples than the model"
+        n_steps = after.ranks[r].steps - before.ranks[r].steps
+        if n_steps != len(event["steps"]):
+            return f"recorded {len(event['steps'])} steps but the model runs {n_steps}"
+        pads = after.ranks[r].pads - before.ranks[r].pads
+        if pads != sum(1 for s in event["steps"] if s is None):
+            return "recorded pad steps differ from the model's"
+        if bool(event["done"]) != (after.ranks[r].phase.value == "done"):
+            return "recorded end of epoch differs from the model's"
+    return ""
+
+
+def _first_violation(state: GlobalState, cfg: ModelConfig) -> str:
+    for name, inv in INVARIANTS.items():
+        reason = inv(state, cfg)
+        if reason is not None:
+            return f"{name}: {reason}"
+    return ""
