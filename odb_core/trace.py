@@ -232,7 +232,7 @@ def validate_trace(trace: ProtocolTrace) -> TraceReport:
                 broken = _first_violation(state, cfg)
                 if broken:
                     return fail(f"after {action.label}: {broken}")
-        if all(c == len(rt.events) for c, rt in zip(cursors, trace.ranks)):
+        if all(c == len(rt.events) for c, rt in zip(cursors, trace.ranks, strict=True)):
             break
         if not progressed:
             gather = Action("AllGather")
@@ -276,7 +276,7 @@ def _decision_mismatch(
         if list(event["vector"]) != model_vector:
             return f"recorded vector {event['vector']} but the model contributes {model_vector}"
     if name == "Receive":
-        delta = [a - b for a, b in zip(after.delivered, before.delivered)]
+        delta = [a - b for a, b in zip(after.delivered, before.delivered, strict=True)]
         recorded = [i for step in event["steps"] if step is not None for i in step]
         model_ids = sorted(i for i, d in enumerate(delta) for _ in range(d))
         if sorted(id_map[i] for i in recorded) != model_ids:
