@@ -25,7 +25,14 @@ from typing import NamedTuple
 
 from odb_core.config import ProtocolConfig
 from odb_core.errors import ConfigError
-from odb_core.protocol import Contribution, RankAction, RankMachine, RankPhase, RankSnapshot
+from odb_core.protocol import (
+    Contribution,
+    RankAction,
+    RankMachine,
+    RankPhase,
+    RankSnapshot,
+    RoundResult,
+)
 from odb_core.sample import Sample
 
 
@@ -159,13 +166,22 @@ class GlobalModel:
         return actions
 
     def step(self, state: GlobalState, action: Action) -> GlobalState:
+        return self.step_with_output(state, action)[0]
+
+    def step_with_output(
+        self, state: GlobalState, action: Action
+    ) -> tuple[GlobalState, RoundResult | None]:
+        """`step`, also returning what a `Receive` emitted (its StepInfos)."""
         if action.name == "AllGather":
-            return self._all_gather(state)
+            return self._all_gather(state), None
         r = action.rank
         if r is None or not 0 <= r < self.world:
             raise ValueError(f"action {action.label} names no valid rank")
         if action.name == "Receive":
             return self._receive(state, r)
+        return self._local(state, action, r), None
+
+    def _local(self, state: GlobalState, action: Action, r: int) -> GlobalState:
         pending = state.pending
         if action.name == "Observe":
             if action.sample is None or action.sample not in pending[r]:
@@ -208,7 +224,7 @@ class GlobalModel:
         gathered = tuple(contributions)
         return state._replace(inbox=(gathered,) * self.world)
 
-    def _receive(self, state: GlobalState, r: int) -> GlobalState:
+    def _receive(self, state: GlobalState, r: int) -> tuple[GlobalState, RoundResult]:
         gathered = state.inbox[r]
         if gathered is None:
             raise ValueError(f"Receive({r}) with an empty inbox")
@@ -230,7 +246,7 @@ class GlobalModel:
             _replace(state.inbox, r, None),
             tuple(delivered),
             ledger,
-        )
+        ), result
 
 
 def _replace(t: tuple, i: int, v: object) -> tuple:  # type: ignore[type-arg]

@@ -1,0 +1,64 @@
+"""Cost models and budgets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from odb_core.cost import AttentionAware, BatchStats, Budget, Multimodal, PackedTokens, PaddedTokens
+from odb_core.errors import ConfigError
+from odb_core.sample import Sample
+
+BATCH = [Sample(0, 10), Sample(1, 30, visual_tokens=20, patches=4), Sample(2, 5)]
+
+
+def test_padded_is_n_times_max_len() -> None:
+    assert PaddedTokens().cost(BatchStats.of(BATCH)) == 3 * 50
+
+
+def test_packed_is_sum_of_lengths() -> None:
+    assert PackedTokens().cost(BatchStats.of(BATCH)) == 10 + 50 + 5
+
+
+def test_attention_adds_quadratic_term() -> None:
+    cost = AttentionAware(alpha=0.5).cost(BatchStats.of(BATCH))
+    assert cost == 65 + 0.5 * (10**2 + 50**2 + 5**2)
+
+
+def test_multimodal_weights_visual_tokens() -> None:
+    assert Multimodal(visual_weight=2.0).cost(BatchStats.of(BATCH)) == 45 + 2 * 20
+
+
+def test_budget_combines_tokens_samples_and_patches() -> None:
+    stats = BatchStats.of(BATCH)
+    model = PackedTokens()
+    assert Budget(65).fits(stats, model)
+    assert not Budget(64).fits(stats, model)
+    assert not Budget(100, max_samples=2).fits(stats, model)
+    assert not Budget(100, max_patches=3).fits(stats, model)
+    assert Budget(100, max_samples=3, max_patches=4).fits(stats, model)
+
+
+@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, "8", True])
+def test_bad_budget_names_the_value(bad: object) -> None:
+    with pytest.raises(ConfigError, match=re_escape(repr(bad))):
+        Budget(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["max_samples", "max_patches"])
+def test_bad_budget_caps(field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        Budget(10, **{field: 0})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("alpha", [-1.0, math.nan])
+def test_bad_attention_alpha(alpha: float) -> None:
+    with pytest.raises(ConfigError, match="alpha"):
+        AttentionAware(alpha)
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
