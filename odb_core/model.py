@@ -125,6 +125,9 @@ class GlobalModel:
         # RankMachine is deterministic given its snapshot and event, so this is exact.
         self._enabled_memo: dict[tuple[int, RankSnapshot], frozenset[RankAction]] = {}
         self._local_memo: dict[tuple[int, RankSnapshot, Action], RankSnapshot] = {}
+        self._receive_memo: dict[
+            tuple[int, RankSnapshot, tuple[Contribution, ...]], tuple[RankSnapshot, RoundResult]
+        ] = {}
 
     def init(self) -> GlobalState:
         fresh = RankMachine(0, self.protocol).snapshot()
@@ -228,8 +231,13 @@ class GlobalModel:
         gathered = state.inbox[r]
         if gathered is None:
             raise ValueError(f"Receive({r}) with an empty inbox")
-        m = self.machine(state, r)
-        result = m.all_gather(gathered)
+        key = (r, state.ranks[r], gathered)
+        memo = self._receive_memo.get(key)
+        if memo is None:
+            m = self.machine(state, r)
+            result = m.all_gather(gathered)
+            memo = self._receive_memo[key] = (m.snapshot(), result)
+        snap, result = memo
         delivered = list(state.delivered)
         for info in result.steps:
             for i in info.sample_ids:
@@ -241,7 +249,7 @@ class GlobalModel:
             ledger = ledger | pending[r]
             pending = _replace(pending, r, frozenset())
         return GlobalState(
-            _replace(state.ranks, r, m.snapshot()),
+            _replace(state.ranks, r, snap),
             pending,
             _replace(state.inbox, r, None),
             tuple(delivered),
