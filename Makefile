@@ -18,8 +18,8 @@ demo: $(STAMP)
 	$(VENV)/bin/odb demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check odb_core simulator tests
-	$(VENV)/bin/ruff format --check odb_core simulator tests
+	$(VENV)/bin/ruff check odb_core simulator tests benchmarks
+	$(VENV)/bin/ruff format --check odb_core simulator tests benchmarks
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy odb_core

@@ -91,9 +91,7 @@ def test_batch_quality(benchmark: BenchmarkFixture, window: int, kind: FormerKin
 
 
 def test_checker_states_per_second(benchmark: BenchmarkFixture) -> None:
-    protocol = ProtocolConfig(
-        world_size=2, budget=Budget(4), buffer_size=1, max_steps_per_round=2
-    )
+    protocol = ProtocolConfig(world_size=2, budget=Budget(4), buffer_size=1, max_steps_per_round=2)
     cfg = ModelConfig(protocol, round_robin_shards([(i % 3) + 1 for i in range(8)], 2))
     report = benchmark.pedantic(check, args=(cfg,), rounds=3)
     benchmark.extra_info["states"] = report.states

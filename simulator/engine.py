@@ -1,0 +1,732 @@
+"""The discrete-event simulation of one epoch under each batching strategy.
+
+Time advances per rank (DataLoader workers, batcher) and globally (DDP steps and
+collectives, which synchronise all ranks). For `odb*` every batching decision is
+made by `odb_core.protocol.RankMachine`, one per rank, driven through its
+observe / exhaust / form / contribute / all_gather events; the round semantics
+are the core's `decide_round`, reached through `RankMachine.all_gather`. Pad
+steps, step counts, lost and duplicated ids are read from what the machines
+emit. `standard`, `gmt` and `bmt` are baselines implemented here (they are not
+the protocol); `odb-ref` drives the PyPI package `online-dynamic-batching`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from odb_core.config import Mode, OversizePolicy, ProtocolConfig
+from odb_core.cost import AttentionAware, BatchStats, Budget, CostModel, PackedTokens, PaddedTokens
+from odb_core.errors import ConfigError, ODBPeerError
+from odb_core.formers import FormerKind
+from odb_core.protocol import (
+    Contribution,
+    RankAction,
+    RankMachine,
+    StepInfo,
+    rounds_bound,
+    steps_bound,
+)
+from odb_core.sample import Sample
+from simulator.hardware import HardwareModel
+from simulator.pipeline import DataSource
+from simulator.trainer import Slot, Trainer
+from simulator.workloads import Workload
+
+STRATEGIES: dict[str, str] = {
+    "standard": "fixed batch size per rank, padded (DistributedSampler order)",
+    "gmt": "offline Global Max Tokens oracle: sort by cached length, cut at budget, shard",
+    "bmt": "offline Bucketed Max Tokens: sorted mega-buckets, packed at budget, shard",
+    "odb": "odb_core protocol, join mode, sort-window greedy former",
+    "odb-bfd": "odb_core protocol, join mode, best-fit-decreasing former",
+    "odb-quota": "odb_core protocol, quota mode (first rank dry closes), greedy former",
+    "odb-ref": "PyPI online-dynamic-batching grouping on the same stream (if installed)",
+}
+DEFAULT_STRATEGIES = tuple(STRATEGIES)
+COSTS = ("packed", "padded", "attention")
+
+# Host-side cost of the batcher per formed window sample (sorting, bookkeeping).
+FORM_S_PER_SAMPLE = 2e-6
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Optional faults. Ranks and workers are 0-based."""
+
+    stragglers: tuple[tuple[int, float], ...] = ()  # (rank, compute slowdown factor)
+    stalls: tuple[tuple[int, int, float, float], ...] = ()  # (rank, worker, at_s, duration_s)
+    slow_collective_prob: float = 0.0
+    slow_collective_factor: float = 10.0
+    dead_rank: int | None = None
+    dead_at_s: float = 0.0
+
+    def validate(self, world: int) -> None:
+        for r, f in self.stragglers:
+            _check_rank("straggler", r, world)
+            if not (math.isfinite(f) and f >= 1):
+                raise ConfigError(f"straggler factor {f!r} for rank {r} must be >= 1")
+        for r, w, at, dur in self.stalls:
+            _check_rank("stall", r, world)
+            if w < 0 or not (math.isfinite(at) and at >= 0 and math.isfinite(dur) and dur > 0):
+                raise ConfigError(f"stall {(r, w, at, dur)!r}: need worker>=0, at>=0, duration>0")
+        if not 0 <= self.slow_collective_prob <= 1:
+            raise ConfigError(
+                f"slow collective probability {self.slow_collective_prob!r} not in [0,1]"
+            )
+        if not (math.isfinite(self.slow_collective_factor) and self.slow_collective_factor >= 1):
+            raise ConfigError(
+                f"slow collective factor {self.slow_collective_factor!r} must be >= 1"
+            )
+        if self.dead_rank is not None:
+            _check_rank("dead", self.dead_rank, world)
+            if not (math.isfinite(self.dead_at_s) and self.dead_at_s >= 0):
+                raise ConfigError(f"death time {self.dead_at_s!r} must be >= 0")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "stragglers": [list(x) for x in self.stragglers],
+            "stalls": [list(x) for x in self.stalls],
+            "slow_collective_prob": self.slow_collective_prob,
+            "slow_collective_factor": self.slow_collective_factor,
+            "dead_rank": self.dead_rank,
+            "dead_at_s": self.dead_at_s if self.dead_rank is not None else None,
+        }
+
+
+def _check_rank(what: str, r: int, world: int) -> None:
+    if not 0 <= r < world:
+        raise ConfigError(f"{what} rank {r!r} is not in [0, {world})")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workload: Workload
+    ranks: int
+    hardware: HardwareModel
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    seed: int = 0
+    budget: int | None = None
+    batch_size: int | None = None
+    cost: str = "packed"
+    attention_alpha: float = 1.0 / 4096
+    buffer_size: int = 64
+    max_steps_per_round: int = 8
+    quota: int | None = None
+    oversize: OversizePolicy = OversizePolicy.SOLO
+    num_workers: int = 4
+    prefetch_factor: int = 2
+    bmt_bucket: int = 4096
+    peer_timeout_s: float = 60.0
+    faults: Faults = field(default_factory=Faults)
+    tail_window: int = 12
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "buffer_size", "max_steps_per_round", "num_workers"):
+            _positive(name, getattr(self, name))
+        _positive("prefetch_factor", self.prefetch_factor)
+        _positive("bmt_bucket", self.bmt_bucket)
+        if self.budget is not None:
+            _positive("budget", self.budget)
+        if self.batch_size is not None:
+            _positive("batch size", self.batch_size)
+        if self.quota is not None:
+            _positive("quota", self.quota)
+        if not (math.isfinite(self.peer_timeout_s) and self.peer_timeout_s > 0):
+            raise ConfigError(f"peer timeout {self.peer_timeout_s!r} must be > 0")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise ConfigError(
+                f"unknown strategy {unknown[0]!r}; expected one of {', '.join(STRATEGIES)}"
+            )
+        if not self.strategies:
+            raise ConfigError("no strategy selected")
+        if self.cost not in COSTS:
+            raise ConfigError(
+                f"unknown cost model {self.cost!r}; expected one of {', '.join(COSTS)}"
+            )
+        if not isinstance(self.oversize, OversizePolicy):
+            object.__setattr__(self, "oversize", OversizePolicy(self.oversize))
+        self.faults.validate(self.ranks)
+        for r, w, _, _ in self.faults.stalls:
+            if w >= self.num_workers:
+                raise ConfigError(
+                    f"stall worker {w} on rank {r} does not exist ({self.num_workers} workers)"
+                )
+        if self.oversize is OversizePolicy.ERROR:
+            self._check_error_policy()
+
+    def _check_error_policy(self) -> None:
+        budget, model = Budget(self.token_budget), self.cost_model()
+        lengths = self.workload.length
+        smallest = int(lengths.min())
+        if not budget.fits_alone(Sample(0, smallest), model):
+            raise ConfigError(
+                f"budget {self.token_budget} is smaller than the smallest sample "
+                f"({smallest} tokens) under the 'error' oversize policy"
+            )
+        i = int(lengths.argmax())
+        big = Sample(i, int(self.workload.text[i]), int(self.workload.visual[i]))
+        if not budget.fits_alone(big, model):
+            raise ConfigError(
+                f"budget {self.token_budget} is smaller than sample {i} ({big.length} tokens) "
+                "under the 'error' oversize policy; use --oversize solo or truncate"
+            )
+
+    @property
+    def token_budget(self) -> int:
+        return self.budget if self.budget is not None else self.hardware.default_budget()
+
+    @property
+    def standard_batch_size(self) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        return max(1, self.hardware.token_capacity // int(self.workload.length.max()))
+
+    def cost_model(self) -> CostModel:
+        if self.cost == "padded":
+            return PaddedTokens()
+        if self.cost == "attention":
+            return AttentionAware(self.attention_alpha)
+        return PackedTokens()
+
+    @property
+    def padded_collation(self) -> bool:
+        return self.cost == "padded"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload.name,
+            "samples": self.workload.n,
+            "ranks": self.ranks,
+            "nodes": self.hardware.network.nodes,
+            "seed": self.seed,
+            "budget_tokens": self.token_budget,
+            "standard_batch_size": self.standard_batch_size,
+            "cost_model": self.cost,
+            "buffer_size": self.buffer_size,
+            "max_steps_per_round": self.max_steps_per_round,
+            "quota": self.quota,
+            "oversize": self.oversize.value,
+            "num_workers": self.num_workers,
+            "prefetch_factor": self.prefetch_factor,
+            "bmt_bucket": self.bmt_bucket,
+            "peer_timeout_s": self.peer_timeout_s,
+            "strategies": list(self.strategies),
+            "faults": self.faults.describe(),
+        }
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+
+
+Progress = Callable[[int], None]
+
+
+class _Columns:
+    """The workload as Python lists (fast scalar access in the hot loops)."""
+
+    def __init__(self, w: Workload) -> None:
+        self.text: list[int] = w.text.tolist()
+        self.visual: list[int] = w.visual.tolist()
+        self.patches: list[int] = w.patches.tolist()
+        self.length: list[int] = w.length.tolist()
+        self.cached: list[int] = w.cached.tolist()
+        self.prep: list[float] = w.prep_s.tolist()
+        self.n = w.n
+
+    def sample(self, i: int) -> Sample:
+        return Sample(i, self.text[i], self.visual[i], self.patches[i])
+
+
+def _slot(lengths: Sequence[int], ids: tuple[int, ...], padded: bool, cost: float) -> Slot:
+    real = sum(lengths)
+    if padded:
+        mx = max(lengths)
+        compute = len(lengths) * mx
+        return Slot(ids, real, compute, compute * mx, compute, cost)
+    sq = sum(x * x for x in lengths)
+    return Slot(ids, real, real, sq, real, cost)
+
+
+class _Run:
+    """State shared by the strategy runners of one simulation."""
+
+    def __init__(self, cfg: SimConfig, progress: Progress | None) -> None:
+        self.cfg = cfg
+        self.cols = _Columns(cfg.workload)
+        self.world = cfg.ranks
+        self.progress = progress
+        self.budget = cfg.token_budget
+        self.model = cfg.cost_model()
+        rng = np.random.default_rng([cfg.seed, 1])
+        self.perm: list[int] = rng.permutation(self.cols.n).tolist()
+        pad_len = min(self.cols.length)
+        self.pad_slot = Slot((), 0, pad_len, pad_len * pad_len, pad_len, 0.0, True)
+        self.stalls: dict[int, list[tuple[int, float, float]]] = {}
+        for r, w, at, dur in cfg.faults.stalls:
+            self.stalls.setdefault(r, []).append((w, at, dur))
+        self.events = 0
+
+    def trainer(self, budget: float) -> Trainer:
+        f = self.cfg.faults
+        return Trainer(
+            self.cfg.hardware,
+            self.world,
+            budget,
+            self.pad_slot,
+            stragglers=dict(f.stragglers),
+            tail_window=self.cfg.tail_window,
+            n_samples=self.cols.n,
+            stop_at=f.dead_at_s if f.dead_rank is not None else float("inf"),
+        )
+
+    def source(self, r: int, order: Sequence[int], depth: int) -> DataSource:
+        return DataSource(
+            order, self.cols.prep, self.cfg.num_workers, depth, stalls=self.stalls.get(r, ())
+        )
+
+    def cost_of(self, ids: Sequence[int], cached: bool = False) -> float:
+        st = BatchStats()
+        c = self.cols
+        for i in ids:
+            if cached:
+                ln = c.cached[i]
+                frac = c.text[i] / c.length[i] if c.length[i] else 1.0
+                t = round(ln * frac)
+                st = st.add(Sample(i, t, ln - t, c.patches[i]))
+            else:
+                st = st.add(Sample(i, c.text[i], c.visual[i], c.patches[i]))
+        return self.model.cost(st)
+
+    # ---- baselines -------------------------------------------------------
+
+    def run_planned(self, name: str, plan: list[list[list[int]]], budget: float) -> dict[str, Any]:
+        """Run per-rank batch lists (plan[r][s] = ids of rank r's s-th batch; an empty
+        list is an idle step) with the DataLoader prefetching whole batches."""
+        cfg = self.cfg
+        padded = name == "standard" or cfg.padded_collation
+        tr = self.trainer(budget)
+        steps = max((len(p) for p in plan), default=0)
+        sources = [
+            self.source(r, [i for b in plan[r] for i in b], 1 << 60) for r in range(self.world)
+        ]
+        pb = cfg.prefetch_factor * cfg.num_workers
+        starts: list[float] = []
+        length = self.cols.length
+        for s in range(steps):
+            request = starts[s - pb] if s >= pb else 0.0
+            ready = 0.0
+            slots: list[Slot] = []
+            for r in range(self.world):
+                batch = plan[r][s] if s < len(plan[r]) else []
+                if not batch:
+                    slots.append(self.pad_slot)
+                    continue
+                t = request
+                src = sources[r]
+                for _ in batch:
+                    _, t = src.pull(request, request)
+                if t > ready:
+                    ready = t
+                lens = [length[i] for i in batch]
+                slots.append(_slot(lens, tuple(batch), padded, self.cost_of(batch)))
+                self.events += len(batch)
+            prev_end = tr.end
+            if not tr.step(ready, slots):
+                break
+            starts.append(max(ready, prev_end))
+            if self.progress is not None:
+                self.progress(sum(len(x.ids) for x in slots))
+        out = tr.metrics()
+        out["timeline"] = tr.timeline()
+        out["fault"] = self._ddp_fault(tr)
+        _mark_aborted(out)
+        return {"metrics": out, "trainer": tr}
+
+    def _ddp_fault(self, tr: Trainer) -> dict[str, Any] | None:
+        f = self.cfg.faults
+        if f.dead_rank is None:
+            return None
+        at = max(tr.end, f.dead_at_s)
+        timeout = self.cfg.hardware.network.collective_timeout_s
+        return {
+            "dead_rank": f.dead_rank,
+            "died_at_s": f.dead_at_s,
+            "detected_by": [r for r in range(self.world) if r != f.dead_rank],
+            "detected_at_s": round(at + timeout, 3) if tr.halted else None,
+            "how": "DDP gradient all-reduce hangs until the NCCL collective timeout",
+            "epoch_completed": not tr.halted,
+        }
+
+    def standard(self) -> dict[str, Any]:
+        bs = self.cfg.standard_batch_size
+        n, w = self.cols.n, self.world
+        order = self.perm + self.perm[: (-n) % w]  # DistributedSampler pads by repeating
+        plan = []
+        for r in range(w):
+            shard = order[r::w]
+            plan.append([shard[i : i + bs] for i in range(0, len(shard), bs)])
+        return self.run_planned("standard", plan, float(self.budget))
+
+    def _cut(self, ordered: Sequence[int]) -> list[list[int]]:
+        """Greedy cut of `ordered` at the budget, on cached lengths (what an offline
+        sampler knows)."""
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        st = BatchStats()
+        c = self.cols
+        cost, budget = self.model.cost, self.budget
+        for i in ordered:
+            ln = c.cached[i]
+            t = round(ln * c.text[i] / c.length[i]) if c.length[i] else ln
+            nxt = st.add(Sample(i, t, ln - t, c.patches[i]))
+            if cur and cost(nxt) > budget:
+                batches.append(cur)
+                cur, st = [i], BatchStats().add(Sample(i, t, ln - t, c.patches[i]))
+            else:
+                cur.append(i)
+                st = nxt
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def _shard_batches(self, batches: list[list[int]], salt: int) -> list[list[list[int]]]:
+        rng = np.random.default_rng([self.cfg.seed, salt])
+        order = rng.permutation(len(batches)).tolist()
+        plan: list[list[list[int]]] = [[] for _ in range(self.world)]
+        for k, b in enumerate(order):
+            plan[k % self.world].append(batches[b])
+        steps = max(len(p) for p in plan)
+        for p in plan:
+            p.extend([] for _ in range(steps - len(p)))  # idle (pad) steps at the end
+        return plan
+
+    def gmt(self) -> dict[str, Any]:
+        c = self.cols
+        ordered = sorted(range(c.n), key=lambda i: (-c.cached[i], i))
+        return self.run_planned("gmt", self._shard_batches(self._cut(ordered), 2), self.budget)
+
+    def bmt(self) -> dict[str, Any]:
+        c, size = self.cols, self.cfg.bmt_bucket
+        batches: list[list[int]] = []
+        for k in range(0, c.n, size):
+            bucket = sorted(self.perm[k : k + size], key=lambda i: (-c.cached[i], i))
+            batches.extend(self._cut(bucket))
+        return self.run_planned("bmt", self._shard_batches(batches, 3), self.budget)
+
+    # ---- odb (the protocol) ------------------------------------------------
+
+    def odb(self, former: FormerKind, mode: Mode) -> dict[str, Any]:
+        cfg, w, cols = self.cfg, self.world, self.cols
+        protocol = ProtocolConfig(
+            world_size=w,
+            budget=Budget(self.budget),
+            cost_model=self.model,
+            buffer_size=cfg.buffer_size,
+            mode=mode,
+            former=former,
+            oversize=cfg.oversize,
+            max_steps_per_round=cfg.max_steps_per_round,
+            quota=cfg.quota if mode is Mode.QUOTA else None,
+        )
+        machines = [RankMachine(r, protocol) for r in range(w)]
+        shards = [self.perm[r::w] for r in range(w)]
+        depth = max(cfg.prefetch_factor * cfg.num_workers, cfg.buffer_size)
+        sources = [self.source(r, shards[r], depth) for r in range(w)]
+        clock = [0.0] * w
+        tr = self.trainer(self.budget)
+        padded = cfg.padded_collation
+        rng = np.random.default_rng([cfg.seed, 4])
+        net = cfg.hardware.network
+        msg_bytes = 8 * (2 + 2 * cfg.max_steps_per_round)
+        gather_s = net.allgather_s(w, msg_bytes)
+        faults = cfg.faults
+        gate = 0.0
+        rounds = 0
+        carried: set[int] = set()
+        violations: list[str] = []
+        fault: dict[str, Any] | None = None
+        sample_of = cols.sample
+        observe_events = 0
+        done = False
+        while not done:
+            # 1. each rank fills its window, forms, and enters the collective
+            contribs: list[Contribution] = []
+            times: list[float] = []
+            for r in range(w):
+                m, src = machines[r], sources[r]
+                t = clock[r]
+                while True:
+                    en = m.enabled()
+                    if RankAction.CONTRIBUTE in en:
+                        break
+                    if RankAction.FORM in en:
+                        t += FORM_S_PER_SAMPLE * len(m.buffer)
+                        m.form()
+                    elif RankAction.OBSERVE in en:
+                        if src.dry:
+                            m.exhaust()
+                            t = max(t, src.dry_at())
+                        else:
+                            idx, t = src.pull(t)
+                            m.observe(sample_of(idx))
+                            observe_events += 1
+                    else:
+                        raise RuntimeError(f"rank {r}: no local action in phase {m.phase}")
+                t = max(t, gate)
+                contribs.append(m.contribute())
+                times.append(t)
+            # 2. the all-gather completes when the last rank has contributed
+            coll = gather_s
+            if faults.slow_collective_prob > 0 and rng.random() < faults.slow_collective_prob:
+                coll *= faults.slow_collective_factor
+            if faults.dead_rank is not None and times[faults.dead_rank] >= faults.dead_at_s:
+                fault = self._odb_peer_failure(times, rounds, tr)
+                break
+            t_g = max(times) + coll
+            # 3. prefetch into the window while the collective is in flight
+            for r in range(w):
+                m, src = machines[r], sources[r]
+                t = times[r]
+                while RankAction.OBSERVE in m.enabled():
+                    if src.dry:
+                        if src.dry_at() > t_g:
+                            break
+                        m.exhaust()
+                    elif src.peek() <= t_g:
+                        idx, t = src.pull(t)
+                        m.observe(sample_of(idx))
+                        observe_events += 1
+                    else:
+                        break
+                clock[r] = t_g
+            # 4. every rank reduces the same gathered vector with decide_round
+            results = [machines[r].all_gather(contribs) for r in range(w)]
+            rounds += 1
+            k = len(results[0].steps)
+            if any(len(res.steps) != k for res in results):
+                violations.append(
+                    f"round {rounds}: ranks emitted different step counts "
+                    f"{sorted({len(res.steps) for res in results})}"
+                )
+                break
+            dones = {res.done for res in results}
+            if len(dones) != 1:
+                violations.append(f"round {rounds}: ranks disagree on the epoch close")
+                break
+            done = results[0].done
+            for res in results:
+                carried.update(s.id for s in res.carried)
+            # 5. the trainer runs the round's aligned steps
+            first_start: float | None = None
+            for t_idx in range(k):
+                infos = [res.steps[t_idx] for res in results]
+                slots = [self._odb_slot(info, padded, violations) for info in infos]
+                self._check_step(infos, violations)
+                prev_end = tr.end
+                if not tr.step(t_g, slots):
+                    break
+                if first_start is None:
+                    first_start = max(t_g, prev_end)
+                if self.progress is not None:
+                    self.progress(sum(info.local_samples for info in infos))
+            if tr.halted:
+                fault = self._odb_peer_failure(times, rounds, tr, during_steps=True)
+                break
+            gate = first_start if first_start is not None else t_g
+        if mode is Mode.QUOTA and done:
+            for r in range(w):
+                carried.update(sources[r].remaining_ids())
+        self.events += observe_events
+        out = tr.metrics()
+        samples_per_rank = [len(s) for s in shards]
+        out.update(
+            {
+                "rounds": rounds,
+                "steps_bound": steps_bound(samples_per_rank),
+                "rounds_bound": rounds_bound(samples_per_rank),
+                "pad_steps_by_machines": sum(m.pads for m in machines),
+                "carried_ids": len(carried),
+            }
+        )
+        if mode is Mode.QUOTA:
+            out["lost_ids"] = int((tr.delivered == 0).sum()) - len(carried)
+        if fault is None:
+            violations.extend(self._final_checks(tr, mode, carried, machines, out))
+        out["violations"] = violations
+        out["timeline"] = tr.timeline()
+        out["fault"] = fault
+        _mark_aborted(out)
+        return {"metrics": out, "trainer": tr}
+
+    def _odb_slot(self, info: StepInfo, padded: bool, violations: list[str]) -> Slot:
+        if info.is_pad or info.batch is None:
+            return self.pad_slot
+        samples = info.batch.samples
+        st = BatchStats.of(samples)
+        cost = self.model.cost(st)
+        if cost > self.budget and not (len(samples) == 1 and info.batch.oversize):
+            violations.append(f"rank {info.rank} step {info.step}: batch over budget ({cost:g})")
+        lens = [s.tokens + s.visual_tokens for s in samples]
+        return _slot(lens, info.batch.ids, padded, cost)
+
+    @staticmethod
+    def _check_step(infos: Sequence[StepInfo], violations: list[str]) -> None:
+        if len({i.step for i in infos}) != 1:
+            violations.append(
+                f"step indices differ across ranks: {sorted({i.step for i in infos})}"
+            )
+        gs = sum(i.local_samples for i in infos)
+        gt = sum(i.local_tokens for i in infos)
+        if any(i.global_samples != gs or i.global_tokens != gt for i in infos):
+            violations.append(f"step {infos[0].step}: global counts disagree with local sums")
+
+    def _final_checks(
+        self,
+        tr: Trainer,
+        mode: Mode,
+        carried: set[int],
+        machines: Sequence[RankMachine],
+        out: dict[str, Any],
+    ) -> list[str]:
+        v: list[str] = []
+        d = tr.delivered
+        if mode is Mode.JOIN:
+            if out["lost_ids"] or out["duplicated_ids"]:
+                v.append(
+                    f"join mode: {out['lost_ids']} lost, {out['duplicated_ids']} duplicated ids"
+                )
+        else:
+            both = [i for i in carried if d[i]]
+            if both or out["duplicated_ids"] or out["lost_ids"]:
+                v.append(
+                    f"quota mode: {len(both)} ids emitted and carried, "
+                    f"{out['duplicated_ids']} duplicated, {out['lost_ids']} neither"
+                )
+        if len({m.steps for m in machines}) != 1:
+            v.append(f"ranks ended at different step counts {sorted({m.steps for m in machines})}")
+        if out["steps"] > out["steps_bound"] or out["rounds"] > out["rounds_bound"]:
+            v.append(
+                f"bound exceeded: steps {out['steps']}/{out['steps_bound']}, "
+                f"rounds {out['rounds']}/{out['rounds_bound']}"
+            )
+        if out["pad_steps_by_machines"] != out["pad_steps"]:
+            v.append("pad steps counted by the trainer differ from the machines' count")
+        return v
+
+    def _odb_peer_failure(
+        self, times: Sequence[float], round_no: int, tr: Trainer, during_steps: bool = False
+    ) -> dict[str, Any]:
+        f = self.cfg.faults
+        dead = f.dead_rank
+        assert dead is not None
+        timeout = self.cfg.peer_timeout_s
+        survivors = [r for r in range(self.world) if r != dead]
+        # Each survivor is blocked in the round's all-gather from its contribution on;
+        # the gloo group reports the missing peer after peer_timeout.
+        entered = [max(times[r], f.dead_at_s) for r in survivors]
+        detected = max(entered) + timeout if entered else f.dead_at_s
+        if during_steps:
+            detected = min(detected, f.dead_at_s + self.cfg.hardware.network.collective_timeout_s)
+        errors = {
+            r: str(
+                ODBPeerError(
+                    f"rank {r}: peer rank {dead} did not contribute to round {round_no} "
+                    f"within peer_timeout={timeout:g}s"
+                )
+            )
+            for r in survivors[:4]
+        }
+        return {
+            "dead_rank": dead,
+            "died_at_s": f.dead_at_s,
+            "round": round_no,
+            "detected_by": survivors,
+            "detected_at_s": round(detected, 3),
+            "how": "round all-gather on the gloo group times out (ODBPeerError)",
+            "errors": errors,
+            "epoch_completed": False,
+            "steps_before_failure": tr.steps,
+        }
+
+
+def _mark_aborted(out: dict[str, Any]) -> None:
+    """An epoch cut short by a dead rank has no meaningful loss count: the ids it did
+    not reach are reported as `undelivered_ids` instead."""
+    f = out.get("fault")
+    if f and not f.get("epoch_completed", True):
+        out["undelivered_ids"] = out["lost_ids"]
+        out["lost_ids"] = None
+
+
+def simulate(cfg: SimConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Run every selected strategy on the same workload; returns plain data."""
+    results: dict[str, dict[str, Any]] = {}
+    perf: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for name in cfg.strategies:
+        run = _Run(cfg, progress)
+        t0 = time.perf_counter()
+        if name == "odb-ref":
+            from simulator import odb_ref
+
+            reason = odb_ref.unavailable(cfg.ranks)
+            if reason is not None:
+                skipped[name] = reason
+                continue
+            res = odb_ref.run(run)
+        elif name == "standard":
+            res = run.standard()
+        elif name == "gmt":
+            res = run.gmt()
+        elif name == "bmt":
+            res = run.bmt()
+        elif name == "odb":
+            res = run.odb(FormerKind.SORT_WINDOW_GREEDY, Mode.JOIN)
+        elif name == "odb-bfd":
+            res = run.odb(FormerKind.BEST_FIT_DECREASING, Mode.JOIN)
+        else:
+            res = run.odb(FormerKind.SORT_WINDOW_GREEDY, Mode.QUOTA)
+        elapsed = time.perf_counter() - t0
+        m = res["metrics"]
+        results[name] = m
+        perf[name] = {
+            "sim_wall_s": round(elapsed, 3),
+            "sample_events": run.events,
+            "sample_events_per_min": round(run.events / elapsed * 60) if elapsed > 0 else 0,
+        }
+    return {
+        "config": cfg.describe(),
+        "workload": {"name": cfg.workload.name, **cfg.workload.stats()},
+        "hardware": cfg.hardware.describe(),
+        "strategies": results,
+        "skipped": skipped,
+        "ratios": ratios(results),
+        "perf": perf,
+        "ok": all(not r.get("violations") for r in results.values()),
+    }
+
+
+def ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    def rate(name: str) -> float | None:
+        m = results.get(name)
+        if m is None or m.get("fault") or not m["samples_per_s"]:
+            return None
+        return float(m["samples_per_s"])
+
+    base, oracle = rate("standard"), rate("gmt")
+    out: dict[str, dict[str, float | None]] = {}
+    for name in results:
+        r = rate(name)
+        out[name] = {
+            "vs_standard": round(r / base, 3) if r and base else None,
+            "vs_gmt": round(r / oracle, 3) if r and oracle else None,
+        }
+    return out
