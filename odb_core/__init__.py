@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from odb_core.batch import Batch
 from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
 from odb_core.cost import AttentionAware, BatchStats, Budget, Multimodal, PackedTokens, PaddedTokens
@@ -28,7 +31,25 @@ from odb_core.protocol import (
 )
 from odb_core.sample import Sample, make_sample
 
+if TYPE_CHECKING:
+    from odb_core.torch import ODBDataLoader as ODBDataLoader
+    from odb_core.torch import SampleLoadError as SampleLoadError
+    from odb_core.torch import merge_states as merge_states
+    from odb_core.torch import scale_loss as scale_loss
+
 __version__ = "0.1.0"
+
+# torch-backed names, imported on first use so that `import odb_core` never imports torch.
+_TORCH_EXPORTS = ("ODBDataLoader", "SampleLoadError", "merge_states", "scale_loss")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_EXPORTS:
+        value = getattr(importlib.import_module("odb_core.torch"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'odb_core' has no attribute {name!r}")
+
 
 __all__ = [
     "AttentionAware",

@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from odb_core.cli import check, demo, fuzz, simulate
+from odb_core.cli import bench, check, demo, fuzz, simulate
 from odb_core.errors import ODBError
 
-SUBCOMMANDS = [check, demo, simulate, fuzz]
+SUBCOMMANDS = [check, demo, simulate, fuzz, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

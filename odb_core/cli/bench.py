@@ -1,0 +1,223 @@
+"""`odb bench`: real multi-process CPU training, ODBDataLoader vs a plain DataLoader.
+
+W ranks (torch.multiprocessing, gloo, 127.0.0.1) train a trivially cheap DDP model
+on the same synthetic dataset, the same workers and the same per-sample
+preprocessing cost, taking turns: a plain `DataLoader(batch_size=8)` with a
+`DistributedSampler`; ODBDataLoader with max_samples=8 (the same steps and
+samples per step, so the ratio is the loader's own cost); and ODBDataLoader with
+a padded-token budget equal to the plain loader's largest batch (same peak
+memory). Reported: emitted samples/s (medians over repeats, each an epoch after
+a warm-up epoch), ratios to plain, the share of training time stalled on the
+protocol's all-gather, and collectives per protocol round.
+
+Imports torch only when run, so `odb --help` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from odb_core.cli.options import positive_int
+
+BATCH = 8
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "bench",
+        help="real multi-process CPU training: ODBDataLoader vs DataLoader(batch_size=8)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    p.add_argument("--ranks", type=positive_int, default=2, help="gloo ranks (default 2)")
+    p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
+    p.add_argument("--samples", type=positive_int, default=4000, help="samples per epoch")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed epochs per loader")
+    p.add_argument(
+        "--work-us",
+        type=int,
+        default=100,
+        help="preprocessing CPU time per sample in microseconds (tokenisation stand-in)",
+    )
+    p.add_argument("--mean-len", type=positive_int, default=64, help="mean sample length")
+    p.add_argument(
+        "--start-method",
+        choices=["fork", "spawn", "forkserver"],
+        default="fork",
+        help="multiprocessing context of the DataLoader workers",
+    )
+    p.add_argument("--timeout", type=positive_int, default=600, help="give up after (seconds)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workers < 0:
+        raise ValueError(f"--workers={args.workers!r} must be >= 0")
+    if args.work_us < 0:
+        raise ValueError(f"--work-us={args.work_us!r} must be >= 0")
+    result = bench(
+        ranks=args.ranks,
+        workers=args.workers,
+        samples=args.samples,
+        repeats=args.repeats,
+        work_us=args.work_us,
+        mean_len=args.mean_len,
+        start_method=args.start_method,
+        timeout=args.timeout,
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0 if result["ok"] else 1
+
+
+def bench(
+    *,
+    ranks: int = 2,
+    workers: int = 1,
+    samples: int = 4000,
+    repeats: int = 3,
+    work_us: int = 100,
+    mean_len: int = 64,
+    start_method: str = "fork",
+    timeout: float = 600,
+) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    params = {
+        "ranks": ranks,
+        "workers": workers,
+        "samples": samples,
+        "repeats": repeats,
+        "work_us": work_us,
+        "mean_len": mean_len,
+        "start_method": start_method,
+    }
+    with tempfile.TemporaryDirectory(prefix="odb-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, ranks, port, params, str(out)), daemon=False)
+            for r in range(ranks)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+            p.join()
+        if hung or any(p.exitcode != 0 for p in procs) or not out.exists():
+            codes = [p.exitcode for p in procs]
+            raise RuntimeError(f"bench ranks failed or timed out (exit codes {codes})")
+        result: dict[str, Any] = json.loads(out.read_text())
+    result["params"] = params
+    return result
+
+
+def print_table(r: dict[str, Any]) -> None:
+    p, plain, odb, mem = r["params"], r["plain"], r["odb"], r["odb_memory"]
+    print(
+        f"odb bench: {p['ranks']} gloo ranks, {p['workers']} workers/rank "
+        f"({p['start_method']}), {p['samples']} samples/epoch, {p['work_us']} us "
+        f"preprocessing/sample, {p['repeats']} timed epochs each (medians)"
+    )
+    print(f"{'loader':34} {'samples/s':>10} {'steps':>6} {'samples/step (all ranks)':>25}")
+    rows = (
+        ("DataLoader(batch_size=8)", plain),
+        ("ODBDataLoader(max_samples=8)", odb),
+        ("ODBDataLoader(equal peak memory)", mem),
+    )
+    for name, row in rows:
+        print(
+            f"{name:34} {row['samples_per_s']:>10.0f} {row['steps']:>6} "
+            f"{row['samples_per_step']:>25.2f}"
+        )
+    print(
+        f"throughput ratio ODB / plain: {r['ratio']:.3f} at 8 samples/step (target >= 0.95), "
+        f"{r['ratio_memory']:.3f} at equal peak memory"
+    )
+    print(f"one all-gather on the loader's gloo group: {r['allgather_latency_us']:.0f} us")
+    for name, row in (("max_samples=8", odb), ("equal memory", mem)):
+        print(
+            f"  {name}: {row['collectives_per_round']:.2f} all-gathers per round (target <= 1)"
+            f", {row['rounds']} rounds = {row['collective_pct']:.2f}% of training time even "
+            f"unoverlapped (target <= 2%); {row['pad_steps']} pad steps; the loop waited "
+            f"{row['stall_pct']:.1f}% for batches, {row['collective_stall_pct']:.1f}% while "
+            "the protocol thread was in an all-gather (peers still filling, GIL hand-offs)"
+        )
+    print(f"aligned steps, exactly-once ids, identical global metadata: {r['ok']}")
+
+
+def demo_section() -> bool:
+    """A short bench for `odb demo` (< 40 s on two cores)."""
+    print("== ODBDataLoader vs DataLoader: real 2-rank gloo CPU training ==")
+    start = time.perf_counter()
+    try:
+        result = bench(ranks=2, workers=1, samples=1200, repeats=1, work_us=100, timeout=120)
+    except (RuntimeError, OSError) as exc:
+        print(f"bench failed: {exc}")
+        return False
+    result["params"]["repeats"] = 1
+    print_table(result)
+    print(f"(bench section took {time.perf_counter() - start:.1f}s)")
+    return bool(result["ok"])
+
+
+# ---- rank processes ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _rank_main(rank: int, world: int, port: int, params: dict[str, Any], out: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from odb_core.torch import benchmark
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        result = benchmark.run_rank(rank, world, params)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+        # Persistent DataLoader workers are shut down by torch's atexit hook, which a
+        # multiprocessing child never runs (forkserver workers would outlive us).
+        gc.collect()
+        atexit._run_exitfuncs()
+    sys.stdout.flush()
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0

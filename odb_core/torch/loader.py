@@ -1,0 +1,567 @@
+"""ODBDataLoader: a drop-in `torch.utils.data.DataLoader` with token-budget batches
+formed after preprocessing and every rank step-aligned by the DGAP protocol.
+
+The loader does I/O only. An inner `DataLoader(batch_size=None)` over the user's
+dataset (public API, any start method, persistent workers or not) feeds
+processed samples; the per-rank `RankMachine` decides every batch, step count,
+pad, global count, loss scale and the end of the epoch; one gloo all-gather per
+round moves the machine's vector; the user's `collate_fn` builds each batch.
+"""
+
+from __future__ import annotations
+
+import array
+import functools
+import json
+import math
+import threading
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import default_collate as _default_collate
+
+from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
+from odb_core.cost import Budget, CostModel
+from odb_core.errors import ConfigError, ODBError
+from odb_core.formers import FormerKind
+from odb_core.protocol import RankMachine, StepInfo
+from odb_core.resume import EpochProgress, fingerprint_mismatch, merge, partition
+from odb_core.torch.loss import scale_loss
+from odb_core.torch.measure import CostFn, TruncateFn
+from odb_core.torch.pipeline import (
+    Emitted,
+    EpochPipeline,
+    EpochSetup,
+    EpochStats,
+    PadTemplate,
+    _End,
+)
+from odb_core.torch.sharding import epoch_order, sampler_order
+from odb_core.torch.source import (
+    IndexChunks,
+    IterSource,
+    LoadFailure,
+    MapSource,
+    SampleLoadError,
+    identity,
+)
+from odb_core.torch.state import fingerprint
+from odb_core.torch.transport import GlooTransport, LocalTransport, Transport
+from odb_core.trace import TracingRankMachine, cost_model_from_dict
+
+__all__ = ["ODBDataLoader"]
+
+
+class ODBDataLoader:
+    """Token-budget batches, formed after preprocessing, step-aligned across ranks.
+
+    Swap `DataLoader(ds, batch_size=8, ...)` for `ODBDataLoader(ds, token_budget=...)`.
+    Iterating yields what `collate_fn` returns; `loader.step_info` is the
+    `StepInfo` of the batch just yielded (scale the loss with
+    `loader.scale_loss(loss)`). Under torch.distributed every rank yields the same
+    number of batches per epoch; in join mode (default) every sample of the epoch
+    is in exactly one real batch on one rank, and a rank with nothing left yields
+    pad batches (`step_info.is_pad`, loss scale 0).
+
+    Arguments beyond DataLoader's: `token_budget` (per batch, under `cost_model`),
+    `cost_fn(sample) -> tokens | (tokens, visual_tokens[, patches])` (default:
+    `len(sample["input_ids"])` plus `sample["visual_tokens"]` if present),
+    `mode` ('join' | 'quota'), `quota`, `seed` (per-epoch shuffle, same on every
+    rank), `peer_timeout` (seconds before a dead or hung peer raises
+    ODBPeerError), `buffer_size` (window per rank), `max_steps_per_round`,
+    `former`, `oversize` ('error' | 'solo' | 'truncate'), `max_samples`,
+    `max_patches`, `loss_normalization` ('tokens' | 'samples'), `deterministic`,
+    `partition` (split the dataset across ranks; False when it already yields
+    this rank's shard), `id_fn(sample) -> int` (sample ids; default the dataset
+    index, or the stream position for an IterableDataset), `truncate_fn`,
+    `with_step_info` (yield `(batch, step_info)`), `trace_dir` (record the
+    protocol trace of every epoch), `samples_per_fetch` (samples per worker
+    round trip), `prefetch_thread` (form batches on a background thread, ahead of
+    the training loop; False runs everything, your dataset included when
+    num_workers=0, in the thread that iterates, e.g. to debug it).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        token_budget: float,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        cost_fn: CostFn | None = None,
+        cost_model: CostModel | str = "packed",
+        mode: Mode | str = Mode.JOIN,
+        quota: int | None = None,
+        seed: int = 0,
+        peer_timeout: float = 300.0,
+        buffer_size: int = 64,
+        max_steps_per_round: int = 8,
+        former: FormerKind | str = FormerKind.SORT_WINDOW_GREEDY,
+        oversize: OversizePolicy | str = OversizePolicy.ERROR,
+        max_samples: int | None = None,
+        max_patches: int | None = None,
+        loss_normalization: LossNormalization | str = LossNormalization.TOKENS,
+        deterministic: bool = False,
+        shuffle: bool = False,
+        sampler: Sampler[Any] | Sequence[int] | None = None,
+        partition: bool = True,
+        id_fn: Callable[[Any], object] | None = None,
+        truncate_fn: TruncateFn | None = None,
+        with_step_info: bool = False,
+        trace_dir: str | Path | None = None,
+        samples_per_fetch: int = 8,
+        prefetch_thread: bool = True,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        batch_size: object = None,
+        batch_sampler: object = None,
+        drop_last: bool = False,
+    ) -> None:
+        if batch_size is not None:
+            raise ConfigError(
+                f"batch_size={batch_size!r} conflicts with token_budget: ODBDataLoader sizes "
+                "each batch by its token cost (cap the samples per batch with max_samples=)"
+            )
+        if batch_sampler is not None:
+            raise ConfigError(
+                f"batch_sampler={batch_sampler!r} conflicts with token_budget: the protocol "
+                "forms the batches"
+            )
+        if drop_last:
+            raise ConfigError(
+                "drop_last=True would drop samples; ODBDataLoader emits every sample of the "
+                "epoch exactly once (mode='quota' closes epochs early with a ledger instead)"
+            )
+        if (
+            isinstance(peer_timeout, bool)
+            or not isinstance(peer_timeout, (int, float))
+            or not math.isfinite(peer_timeout)
+            or peer_timeout <= 0
+        ):
+            raise ConfigError(
+                f"peer_timeout={peer_timeout!r} must be a finite number of seconds > 0"
+            )
+        for name, value in (("samples_per_fetch", samples_per_fetch), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be a non-negative integer")
+        if samples_per_fetch < 1:
+            raise ConfigError(f"samples_per_fetch={samples_per_fetch!r} must be >= 1")
+        iterable = isinstance(dataset, IterableDataset)
+        if iterable and (shuffle or sampler is not None):
+            raise ConfigError(
+                "shuffle and sampler apply to map-style datasets; an IterableDataset "
+                "defines its own order"
+            )
+        if isinstance(sampler, DistributedSampler) and partition:
+            raise ConfigError(
+                "sampler=DistributedSampler already splits (and pads with duplicates) the "
+                "dataset across ranks; ODBDataLoader splits it itself with no duplicates: "
+                "drop the sampler (use shuffle=True and seed=), or pass partition=False"
+            )
+        if sampler is not None and shuffle:
+            raise ConfigError("sampler and shuffle=True are mutually exclusive (as in DataLoader)")
+        if not iterable and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise ConfigError(
+                f"dataset {type(dataset).__name__} is neither an IterableDataset nor a sized "
+                "map-style dataset (__getitem__ and __len__)"
+            )
+
+        self.dataset = dataset
+        self.transport: Transport = self._make_transport(peer_timeout)
+        self.rank = self.transport.rank
+        self.world_size = self.transport.world_size
+        if isinstance(cost_model, str):
+            cost_model = cost_model_from_dict({"name": cost_model})
+        self.config = ProtocolConfig(
+            world_size=self.world_size,
+            budget=Budget(token_budget, max_samples, max_patches),
+            cost_model=cost_model,
+            buffer_size=buffer_size,
+            mode=mode,  # type: ignore[arg-type]  # coerced and validated by ProtocolConfig
+            former=former,  # type: ignore[arg-type]
+            oversize=oversize,  # type: ignore[arg-type]
+            max_steps_per_round=max_steps_per_round,
+            quota=quota,
+            deterministic=deterministic,
+            loss_normalization=loss_normalization,  # type: ignore[arg-type]
+        )
+        if (
+            not iterable
+            and not partition
+            and self.world_size > 1
+            and sampler is None
+            and id_fn is None
+        ):
+            raise ConfigError(
+                "partition=False means each rank's dataset is already its own shard, so its "
+                "indices 0..n-1 are not unique across ranks; pass id_fn= (a global id per "
+                "sample) or a sampler of indices disjoint across ranks"
+            )
+
+        self.collate_fn = collate_fn if collate_fn is not None else _default_collate
+        self.cost_fn = cost_fn
+        self.id_fn = id_fn
+        self.truncate_fn = truncate_fn
+        self.seed = seed
+        self.shuffle = shuffle
+        self.sampler = sampler
+        self.partition = partition
+        self.with_step_info = with_step_info
+        self.trace_dir = None if trace_dir is None else Path(trace_dir)
+        self.num_workers = num_workers
+        self.prefetch_thread = bool(prefetch_thread)
+        self.persistent_workers = persistent_workers
+        self._iterable = iterable
+        self._pin = self._make_pin(pin_memory, pin_memory_device)
+        self._index_sampler: IndexChunks | None = None
+        if iterable:
+            source: Any = IterSource(
+                dataset, self.rank, self.world_size, partition, samples_per_fetch
+            )
+        else:
+            source = MapSource(dataset)
+            self._index_sampler = IndexChunks(samples_per_fetch)
+        self._inner = DataLoader(
+            source,
+            batch_size=None,
+            sampler=self._index_sampler,
+            num_workers=num_workers,
+            collate_fn=identity,
+            pin_memory=False,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+        )
+        self._fingerprint = fingerprint(
+            dataset,
+            self.config,
+            kind="iterable" if iterable else "map",
+            length=None if iterable else len(dataset),
+            seed=seed,
+            shuffle=shuffle,
+            partition=partition,
+            sampler=sampler,
+        )
+        self._fingerprint["id_fn"] = id_fn is not None
+        digest_src = json.dumps(self._fingerprint, sort_keys=True, default=str)
+        self._digest = zlib.crc32(digest_src.encode())
+        self._pad = PadTemplate()
+        self._lock = threading.Lock()
+        self._pipeline: EpochPipeline | None = None
+        self._iteration = 0
+        self._workers_started = False
+        self._resume: EpochProgress | None = None
+        self.epoch = 0
+        self.step_info: StepInfo | None = None
+        self.ledger: tuple[int, ...] = ()
+        self.epoch_stats: EpochStats | None = None  # of the last finished epoch
+        self._reset_progress()
+
+    # ---- DataLoader surface ------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        with self._lock:
+            self._stop_pipeline()
+            self._check_world()
+            self._iteration += 1
+            progress = self._resume if self._resume and self._resume.epoch == self.epoch else None
+            self._resume = None
+            self._reset_progress(progress)
+            self.step_info = None
+            config = self.config
+            if progress is not None and config.quota is not None:
+                left = config.quota - progress.emitted
+                if left <= 0:
+                    self._closed = True
+                else:
+                    config = replace(config, quota=left)
+            if self._closed:
+                return iter(())
+            excluded = self._excluded(progress)
+            shard, order_digest = self._start_source(progress, excluded)
+            machine_cls = RankMachine if self.trace_dir is None else TracingRankMachine
+            trace_path = None
+            if self.trace_dir is not None:
+                trace_path = self.trace_dir / (
+                    f"trace-epoch{self.epoch}-step{self._step}-rank{self.rank}.json"
+                )
+            setup = EpochSetup(
+                machine=machine_cls(self.rank, config),
+                transport=self.transport,
+                source=iter(self._inner),
+                tag=(self._digest, order_digest, self._iteration),
+                excluded=excluded,
+                step_offset=self._step,
+                collate=self.collate_fn,
+                cost_fn=self.cost_fn,
+                id_fn=self.id_fn,
+                truncate_fn=self.truncate_fn,
+                pin=self._pin,
+                pad_fallback=functools.partial(_pad_fallback, self.dataset, self.rank),
+                shard=shard if self.id_fn is None else None,
+                trace_path=trace_path,
+            )
+            self._workers_started = self.num_workers > 0
+            self._pipeline = EpochPipeline(setup, self._pad, threaded=self.prefetch_thread)
+            self._pipeline.start()
+            return _EpochIterator(self, self._pipeline)
+
+    def __len__(self) -> int:
+        raise TypeError(
+            "ODBDataLoader has no length: the number of steps of an epoch is decided online "
+            "from the samples' real costs (it is the same on every rank)"
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (its shuffle order); call it on every rank, as with
+        DistributedSampler. Forwarded to the dataset and sampler if they have one."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
+        if self._resume is not None and self._resume.epoch != epoch:
+            warnings.warn(
+                f"set_epoch({epoch}) discards the loaded state of epoch {self._resume.epoch} "
+                f"(stopped at step {self._resume.step})",
+                stacklevel=2,
+            )
+            self._resume = None
+        if epoch != self.epoch:
+            self._reset_progress()
+        self.epoch = epoch
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            if self._workers_started and self.persistent_workers:
+                warnings.warn(
+                    "persistent_workers=True: the dataset copies in the running workers do "
+                    "not see set_epoch (a DataLoader limitation); only the main process copy "
+                    "is updated",
+                    stacklevel=2,
+                )
+            set_epoch(epoch)
+
+    # ---- step info -----------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss * step_info.loss_scale` for the batch just yielded (see scale_loss)."""
+        if self.step_info is None:
+            raise ODBError("scale_loss() before the first batch of the epoch was yielded")
+        return scale_loss(loss, self.step_info)
+
+    # ---- resumable state -----------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: where this rank is in the epoch. Taken after a batch, a resume
+        continues with the next one; every sample of the epoch is still emitted
+        exactly once. Load it on the same rank at the same world size, or load the
+        list of every rank's state (same step) at any world size."""
+        if self._resume is not None:
+            return self._resume.to_dict()
+        return EpochProgress(
+            fingerprint=self._fingerprint,
+            epoch=self.epoch,
+            step=self._step,
+            emitted=self._emitted,
+            closed=self._closed,
+            base_done=self._base_done,
+            world_size=self.world_size,
+            rank=self.rank,
+            done=frozenset(self._done),
+        ).to_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Resume from `state_dict()` (this rank's) or a list of every rank's states."""
+        if isinstance(state, Mapping):
+            progress = EpochProgress.from_dict(state)
+        elif isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+            progress = merge(EpochProgress.from_dict(s) for s in state)
+        else:
+            raise ConfigError(
+                f"load_state_dict expects a state dict or a list of them, got {state!r}"
+            )
+        diff = fingerprint_mismatch(self._fingerprint, progress.fingerprint)
+        if diff:
+            raise ConfigError("loader state is from another dataset or config: " + "; ".join(diff))
+        progress.excluded(self.world_size, self.rank)  # raises now if it cannot resume this rank
+        with self._lock:
+            self._stop_pipeline()
+            self._resume = progress
+            self.epoch = progress.epoch
+
+    # ---- internals -------------------------------------------------------------
+
+    def _reset_progress(self, progress: EpochProgress | None = None) -> None:
+        self._step = 0 if progress is None else progress.step
+        self._emitted = 0 if progress is None else progress.emitted
+        self._closed = False if progress is None else progress.closed
+        self._base_done: frozenset[int] = frozenset() if progress is None else progress.base_done
+        self._done: set[int] = set() if progress is None else set(progress.done)
+
+    def _record(self, item: Emitted) -> None:
+        info = item.info
+        self.step_info = info
+        self._step = info.step + 1
+        self._emitted += info.global_samples
+        self._done.update(info.sample_ids)
+        if item.last_of_epoch:
+            self._closed = True
+
+    def _end(self, end: _End) -> None:
+        self._closed = True
+        self.ledger = end.ledger
+        self.epoch_stats = end.stats
+
+    def _excluded(self, progress: EpochProgress | None) -> frozenset[int]:
+        if progress is None:
+            return frozenset()
+        return progress.excluded(self.world_size, self.rank)
+
+    def _start_source(
+        self, progress: EpochProgress | None, excluded: frozenset[int]
+    ) -> tuple[list[int] | None, int]:
+        """Point the inner loader at this rank's indices. Returns them (map-style) and
+        a digest of the epoch order, which every round's all-gather compares across
+        ranks: a sampler that is not seeded alike on every rank fails loudly."""
+        if self._index_sampler is None:
+            return None, 0
+        if self.sampler is not None:
+            set_epoch = getattr(self.sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
+            order = sampler_order(self.sampler)
+        else:
+            order = epoch_order(
+                len(self.dataset), shuffle=self.shuffle, seed=self.seed, epoch=self.epoch
+            )
+        if not self.partition:
+            shard = [i for i in order if i not in excluded]
+        elif self.id_fn is not None or progress is None:
+            # With id_fn the done ids are not indices: split the whole order and let
+            # the producer skip done ids; the split is the same in every incarnation.
+            shard = partition(order, self.world_size, self.rank)
+        else:
+            shard = progress.shard(order, self.world_size, self.rank)
+        self._index_sampler.indices = shard
+        digest = zlib.crc32(array.array("q", order).tobytes()) if self.partition else 0
+        return shard, digest
+
+    def _stop_pipeline(self) -> None:
+        p = self._pipeline
+        if p is None:
+            return
+        self._pipeline = None
+        p.close(timeout=self.transport_timeout + 60.0)
+        if p.alive:
+            raise ODBError(
+                "the previous iteration's protocol thread did not stop (its source or a "
+                "peer is stuck)"
+            )
+
+    @property
+    def transport_timeout(self) -> float:
+        return float(getattr(self.transport, "timeout", 0.0))
+
+    def _check_world(self) -> None:
+        if (
+            isinstance(self.transport, LocalTransport)
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
+            raise ConfigError(
+                "this ODBDataLoader was built before torch.distributed was initialized, so it "
+                "cannot keep ranks aligned; construct it after init_process_group"
+            )
+
+    @staticmethod
+    def _make_transport(peer_timeout: float) -> Transport:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return GlooTransport(float(peer_timeout))
+        return LocalTransport()
+
+    @staticmethod
+    def _make_pin(pin_memory: bool, device: str) -> Callable[[Any], Any] | None:
+        if not pin_memory:
+            return None
+        if not torch.cuda.is_available():
+            warnings.warn(
+                "pin_memory=True but no accelerator is available: batches are not pinned",
+                stacklevel=3,
+            )
+            return None
+        return _pin
+
+
+class _EpochIterator:
+    def __init__(self, loader: ODBDataLoader, pipeline: EpochPipeline) -> None:
+        self._loader = loader
+        self._pipeline = pipeline
+        self._finished = False
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        if self._loader._pipeline is not self._pipeline:
+            self._finished = True
+            raise ODBError(
+                "this iterator was superseded by a later iter(loader), which ended its epoch"
+            )
+        try:
+            item = self._pipeline.get()
+        except BaseException:
+            self._finished = True
+            raise
+        if isinstance(item, _End):
+            self._finished = True
+            self._loader._end(item)
+            raise StopIteration
+        self._loader._record(item)
+        return (item.batch, item.info) if self._loader.with_step_info else item.batch
+
+
+def _pin(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.pin_memory()
+    if isinstance(obj, Mapping):
+        pinned = {k: _pin(v) for k, v in obj.items()}
+        try:
+            return type(obj)(pinned)  # type: ignore[call-arg]
+        except TypeError:
+            return pinned
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_pin(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_pin(v) for v in obj)
+    pin = getattr(obj, "pin_memory", None)
+    return pin() if callable(pin) else obj
+
+
+def _pad_fallback(dataset: Any, rank: int) -> Any:
+    """A rank whose shard is empty still needs a shape-valid batch for its pad steps.
+    (A module function, not a method: no loader <-> pipeline reference cycle.)"""
+    if isinstance(dataset, IterableDataset) or len(dataset) == 0:
+        raise ODBError(
+            f"rank {rank} has no sample this epoch to build its pad batches from "
+            "(fewer samples than ranks in the stream); give every rank at least one sample"
+        )
+    try:
+        return dataset[0]
+    except Exception as exc:
+        raise SampleLoadError(LoadFailure(0, type(exc).__name__, str(exc), "")) from exc

@@ -1,0 +1,141 @@
+"""What runs inside DataLoader workers: fetch processed samples, tagged with ids.
+
+The inner loader is a plain `torch.utils.data.DataLoader(batch_size=None)`; each
+item it yields is a short list of records `(sample_id, sample)` or a
+`LoadFailure`. Fetching a few samples per item amortises the worker-to-main
+IPC; the order is still the sampler's order. Exceptions in the user's dataset
+become records so the main process raises them naming the sample id.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+from odb_core.errors import ODBError
+from odb_core.torch.wire import Packed, pack
+
+
+class LoadFailure(NamedTuple):
+    sample_id: int
+    error_type: str
+    message: str
+    traceback: str
+
+
+Record = tuple[int, Any] | LoadFailure
+
+
+class SampleLoadError(ODBError, RuntimeError):
+    """The user's dataset raised while producing a sample; names the sample id."""
+
+    def __init__(self, failure: LoadFailure) -> None:
+        self.sample_id = failure.sample_id
+        self.error_type = failure.error_type
+        super().__init__(
+            f"the dataset raised {failure.error_type}: {failure.message} while loading "
+            f"sample {failure.sample_id}\n--- dataset traceback ---\n{failure.traceback}"
+        )
+
+
+def _failure(sample_id: int, exc: BaseException) -> LoadFailure:
+    return LoadFailure(sample_id, type(exc).__name__, str(exc), traceback.format_exc())
+
+
+def _ship(records: list[Record]) -> list[Record] | Packed:
+    # In a worker process records cross a process boundary: pack them (see wire.py).
+    return records if get_worker_info() is None else pack(records)
+
+
+def identity(x: Any) -> Any:
+    """collate_fn of the inner loader (module level, so spawn can pickle it)."""
+    return x
+
+
+class IndexChunks(Sampler[list[int]]):
+    """Yields this rank's indices for the epoch, `chunk` at a time. The loader
+    sets `indices` before each `iter()` of the inner DataLoader (which also works
+    with persistent workers: the sampler lives in the main process)."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self.indices: list[int] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        idx, c = self.indices, self.chunk
+        for start in range(0, len(idx), c):
+            yield idx[start : start + c]
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.chunk)
+
+
+class MapSource(Dataset[list[Record] | Packed]):
+    """Map-style wrapper: `source[[i, j, ...]]` returns the records of those indices."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, chunk: Sequence[int]) -> list[Record] | Packed:
+        out: list[Record] = []
+        for i in chunk:
+            try:
+                out.append((i, self.dataset[i]))
+            except Exception as exc:
+                out.append(_failure(i, exc))
+                break
+        return _ship(out)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class IterSource(IterableDataset[list[Record] | Packed]):
+    """IterableDataset wrapper, sharded by rank and worker.
+
+    With `partition`, every rank's every worker reads the stream and keeps the
+    elements at global positions p with p % world == rank and
+    (p // world) % workers == worker; the id of an element is p, stable for any
+    world size. Without it, the dataset is taken as already this rank's (and this
+    worker's) stream; ids are then unique across ranks and workers for one world
+    size and worker count.
+    """
+
+    def __init__(self, dataset: Any, rank: int, world: int, partition: bool, chunk: int) -> None:
+        self.dataset = dataset
+        self.rank = rank
+        self.world = world
+        self.partition = partition
+        self.chunk = chunk
+
+    def __iter__(self) -> Iterator[list[Record] | Packed]:
+        info = get_worker_info()
+        workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        rank, world, chunk = self.rank, self.world, self.chunk
+        buf: list[Record] = []
+        p = 0
+        try:
+            it = iter(self.dataset)
+        except Exception as exc:
+            yield _ship([_failure(0, exc)])
+            return
+        while True:
+            sid = p if self.partition else (p * workers + worker) * world + rank
+            try:
+                item = next(it)
+            except StopIteration:
+                break
+            except Exception as exc:
+                yield _ship([*buf, _failure(sid, exc)])
+                return
+            if not self.partition or (p % world == rank and (p // world) % workers == worker):
+                buf.append((sid, item))
+                if len(buf) >= chunk:
+                    yield _ship(buf)
+                    buf = []
+            p += 1
+        if buf:
+            yield _ship(buf)

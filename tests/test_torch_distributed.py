@@ -1,0 +1,425 @@
+"""ODBDataLoader across real processes: gloo ranks on 127.0.0.1, real DataLoader workers.
+
+Each test spawns W rank processes (torch.multiprocessing, spawn) that iterate the
+loader and write what every step looked like; the test then checks step
+alignment, exactly-once coverage and identical global metadata across ranks,
+and validates the recorded protocol trace against the model.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import gc
+import json
+import os
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.utils.data import Dataset, IterableDataset  # noqa: E402
+
+import odb_core.trace as odb_trace  # noqa: E402
+from odb_core import ODBDataLoader  # noqa: E402
+from odb_core.trace import ProtocolTrace, validate_trace  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(180)]
+
+
+# ---- what runs inside a rank ---------------------------------------------------------
+
+
+def length_of(i: int) -> int:
+    return 1 + (i * 7919) % 37
+
+
+class DelayedText(Dataset[dict[str, Any]]):
+    """Sample i has a fixed length; producing it sleeps a random (seeded) time."""
+
+    def __init__(self, n: int, max_delay: float = 0.0) -> None:
+        self.n = n
+        self.max_delay = max_delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self.max_delay:
+            time.sleep(random.Random(i).random() * self.max_delay)
+        return {"input_ids": torch.full((length_of(i),), i % 100)}
+
+
+class Stream(IterableDataset[dict[str, Any]]):
+    def __init__(self, n: int, max_delay: float = 0.0) -> None:
+        self.n = n
+        self.max_delay = max_delay
+
+    def __iter__(self) -> Any:
+        for i in range(self.n):
+            if self.max_delay:
+                time.sleep(random.Random(i).random() * self.max_delay)
+            yield {"input_ids": torch.full((length_of(i),), i % 100), "pos": i}
+
+
+def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    ids = [s["input_ids"] for s in samples]
+    return {"input_ids": torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)}
+
+
+def make_loader(rank: int, world: int, spec: dict[str, Any]) -> ODBDataLoader:
+    kw = dict(spec.get("loader", {}))
+    kw.setdefault("token_budget", 64)
+    kw.setdefault("buffer_size", 8)
+    kw.setdefault("max_steps_per_round", 4)
+    kw.setdefault("peer_timeout", 30)
+    if spec.get("iterable"):
+        ds: Any = Stream(spec["n"], spec.get("delay", 0.0))
+    else:
+        ds = DelayedText(spec["n"], spec.get("delay", 0.0))
+    if "shards" in spec:
+        kw["sampler"] = spec["shards"][rank]
+        kw["partition"] = False
+    if "orders" in spec:  # a sampler that is (wrongly) not seeded alike on every rank
+        kw["sampler"] = spec["orders"][rank]
+    return ODBDataLoader(ds, collate_fn=collate, **kw)
+
+
+def step_record(loader: ODBDataLoader, batch: dict[str, Any]) -> list[Any]:
+    info = loader.step_info
+    assert info is not None
+    assert batch["input_ids"].shape[0] == max(1, info.local_samples)
+    return [
+        info.step,
+        info.is_pad,
+        list(info.sample_ids),
+        info.local_samples,
+        info.global_samples,
+        info.local_tokens,
+        info.global_tokens,
+        info.loss_scale,
+    ]
+
+
+def run_epochs(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    loader = make_loader(rank, world, spec)
+    epochs = []
+    for epoch in range(spec.get("epochs", 1)):
+        loader.set_epoch(epoch)
+        steps = []
+        for batch in loader:
+            steps.append(step_record(loader, batch))
+            if spec.get("die", {}).get(str(rank)) == len(steps):
+                os._exit(1)
+            if spec.get("hang", {}).get(str(rank)) == len(steps):
+                time.sleep(120)
+        epochs.append(steps)
+    return {"epochs": epochs}
+
+
+def run_until_failure(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    loader = make_loader(rank, world, spec)
+    last = time.monotonic()
+    steps = 0
+    try:
+        for _ in loader:
+            steps += 1
+            if spec.get("die", {}).get(str(rank)) == steps:
+                os._exit(1)
+            if spec.get("hang", {}).get(str(rank)) == steps:
+                time.sleep(120)
+            last = time.monotonic()
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "after_s": time.monotonic() - last, "steps": steps}
+    return {"raised": None, "steps": steps}
+
+
+def run_resume_phase_a(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Stop mid-epoch, save; then a fresh loader on the same rank resumes from it."""
+    loader = make_loader(rank, world, spec)
+    loader.set_epoch(spec["epoch"])
+    before = []
+    it = iter(loader)
+    for _ in range(spec["stop_at"]):
+        before.append(step_record(loader, next(it)))
+    state = json.loads(json.dumps(loader.state_dict()))  # plain data only
+    Path(spec["state_dir"], f"state{rank}.json").write_text(json.dumps(state))
+    again = make_loader(rank, world, spec)
+    again.load_state_dict(state)
+    again.set_epoch(spec["epoch"])
+    after = [step_record(again, b) for b in again]
+    return {"before": before, "after": after}
+
+
+def run_resume_phase_b(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Resume at another world size from the list of every old rank's state."""
+    files = sorted(Path(spec["state_dir"]).glob("state*.json"))
+    states = [json.loads(p.read_text()) for p in files]
+    loader = make_loader(rank, world, spec)
+    loader.load_state_dict(states)
+    loader.set_epoch(spec["epoch"])
+    return {"after": [step_record(loader, b) for b in loader]}
+
+
+def _rank_entry(rank: int, world: int, port: int, fn: str, spec: dict[str, Any], out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        result = {"ok": True, **globals()[fn](rank, world, spec)}
+    except BaseException as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    # Shut DataLoader workers down: torch keeps persistent workers for its atexit hook,
+    # which a multiprocessing child never runs, and a forkserver worker's watchdog
+    # watches the forkserver, not this process.
+    gc.collect()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a peer may be dead: skip destroy_process_group's handshake
+
+
+# ---- the launcher and the checks -------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def launch(
+    fn: str, world: int, spec: dict[str, Any], out: Path, timeout: float = 120
+) -> list[dict[str, Any] | None]:
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_entry, args=(r, world, port, fn, spec, str(out)))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for r, p in enumerate(procs):
+        # A hung rank is expected in some tests; only the others must finish.
+        if str(r) in spec.get("hang", {}):
+            continue
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results: list[dict[str, Any] | None] = []
+    for r in range(world):
+        f = out / f"rank{r}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else None)
+    return results
+
+
+def ok_results(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    for r, res in enumerate(results):
+        assert res is not None, f"rank {r} wrote no result"
+        assert res["ok"], f"rank {r} failed: {res['error']}"
+    return [r for r in results if r is not None]
+
+
+def check_aligned(per_rank: list[list[list[Any]]], world: int) -> list[int]:
+    """Equal step counts, identical global metadata, local parts summing to the
+    global counts, pads flagged with scale 0; returns every real id emitted."""
+    counts = [len(s) for s in per_rank]
+    assert len(set(counts)) == 1, f"step counts differ across ranks: {counts}"
+    ids: list[int] = []
+    for t in range(counts[0]):
+        rows = [s[t] for s in per_rank]
+        glob = {(row[0], row[4], row[6]) for row in rows}
+        assert len(glob) == 1, f"step {t}: global metadata differs across ranks: {glob}"
+        _, global_samples, global_tokens = glob.pop()
+        assert sum(row[3] for row in rows) == global_samples
+        assert sum(row[5] for row in rows) == global_tokens
+        for row in rows:
+            if row[1]:
+                assert row[2] == [] and row[3] == 0 and row[7] == 0.0
+            ids.extend(row[2])
+        assert sum(row[7] for row in rows) == pytest.approx(world)
+    return ids
+
+
+def assert_exactly_once(ids: list[int], expected: list[int]) -> None:
+    assert len(ids) == len(set(ids)), "a sample id was emitted twice"
+    missing, extra = set(expected) - set(ids), set(ids) - set(expected)
+    assert not missing and not extra, f"missing {sorted(missing)[:10]}, extra {sorted(extra)[:10]}"
+
+
+# ---- tests -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    """Two ranks, two forked workers each, random per-sample delays, shuffled."""
+    out = tmp_path_factory.mktemp("traced")
+    spec = {
+        "n": 150,
+        "delay": 0.004,
+        "loader": {
+            "num_workers": 2,
+            "multiprocessing_context": "fork",
+            "shuffle": True,
+            "samples_per_fetch": 2,
+            "trace_dir": str(out / "trace"),
+        },
+    }
+    return ok_results(launch("run_epochs", 2, spec, out)), out / "trace"
+
+
+def test_two_ranks_random_delays_align_and_cover_exactly_once(
+    traced_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, _ = traced_run
+    ids = check_aligned([r["epochs"][0] for r in results], 2)
+    assert_exactly_once(ids, list(range(150)))
+
+
+def test_real_run_trace_validates_against_the_model(
+    traced_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    _, trace_dir = traced_run
+    files = sorted(trace_dir.glob("*.json"))
+    assert len(files) == 2
+    trace = ProtocolTrace.merge(files)
+    report = validate_trace(trace)
+    assert report.ok, report.reason
+    observed = {e["sample"][0] for r in trace.ranks for e in r.events if e["action"] == "Observe"}
+    assert observed == set(range(150))
+
+
+@pytest.mark.tlc
+def test_real_run_trace_validates_under_tlc(
+    traced_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    validate_tlc = getattr(odb_trace, "validate_trace_tlc", None)
+    if validate_tlc is None:
+        pytest.skip("odb_core.trace.validate_trace_tlc is not available yet")
+    _, trace_dir = traced_run
+    report = validate_tlc(ProtocolTrace.merge(sorted(trace_dir.glob("*.json"))))
+    assert report.ok, report.reason
+
+
+def test_uneven_shards_three_to_one_pad_the_short_rank(tmp_path: Path) -> None:
+    shards = [list(range(0, 120)), list(range(120, 160))]
+    loader_kw = {"num_workers": 0, "prefetch_thread": False}  # inline protocol loop
+    spec = {"n": 160, "delay": 0.001, "shards": shards, "loader": loader_kw}
+    results = ok_results(launch("run_epochs", 2, spec, tmp_path))
+    per_rank = [r["epochs"][0] for r in results]
+    ids = check_aligned(per_rank, 2)
+    assert_exactly_once(ids, list(range(160)))
+    assert sum(row[1] for row in per_rank[1]) > 0, "the short rank never padded"
+    assert sum(row[1] for row in per_rank[0]) == 0
+
+
+@pytest.mark.parametrize(("method", "workers"), [("fork", 2), ("spawn", 1), ("forkserver", 1)])
+def test_start_methods_with_persistent_workers_over_two_epochs(
+    tmp_path: Path, method: str, workers: int
+) -> None:
+    spec = {
+        "n": 90,
+        "delay": 0.002,
+        "epochs": 2,
+        "loader": {
+            "num_workers": workers,
+            "multiprocessing_context": method,
+            "persistent_workers": True,
+            "shuffle": True,
+        },
+    }
+    results = ok_results(launch("run_epochs", 2, spec, tmp_path))
+    orders = []
+    for epoch in range(2):
+        per_rank = [r["epochs"][epoch] for r in results]
+        ids = check_aligned(per_rank, 2)
+        assert_exactly_once(ids, list(range(90)))
+        orders.append(ids)
+    assert orders[0] != orders[1], "set_epoch did not reshuffle"
+
+
+def test_iterable_dataset_sharded_by_rank_and_worker(tmp_path: Path) -> None:
+    spec = {
+        "n": 100,
+        "iterable": True,
+        "delay": 0.001,
+        "loader": {"num_workers": 2, "multiprocessing_context": "fork"},
+    }
+    results = ok_results(launch("run_epochs", 3, spec, tmp_path))
+    ids = check_aligned([r["epochs"][0] for r in results], 3)
+    assert_exactly_once(ids, list(range(100)))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_resume_at_a_random_step_same_and_other_world_size(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    n = 120
+    common = {"n": n, "epoch": 1, "state_dir": str(tmp_path), "delay": 0.001}
+    spec_a = {
+        **common,
+        "stop_at": rng.randrange(1, 8),
+        "loader": {"num_workers": 1, "multiprocessing_context": "fork", "shuffle": True},
+    }
+    a = ok_results(launch("run_resume_phase_a", 2, spec_a, tmp_path / "a"))
+    before = check_aligned([r["before"] for r in a], 2)
+    after_same = check_aligned([r["after"] for r in a], 2)
+    assert_exactly_once(before + after_same, list(range(n)))
+    assert [r["after"][0][0] for r in a] == [spec_a["stop_at"]] * 2, "steps do not continue"
+
+    spec_b = {**common, "loader": {"num_workers": 0, "shuffle": True}}
+    b = ok_results(launch("run_resume_phase_b", 3, spec_b, tmp_path / "b"))
+    after_other = check_aligned([r["after"] for r in b], 3)
+    assert_exactly_once(before + after_other, list(range(n)))
+
+
+def test_ranks_with_different_sample_orders_fail_loudly(tmp_path: Path) -> None:
+    orders = [list(range(40)), list(reversed(range(40)))]
+    spec = {"n": 40, "orders": orders, "loader": {"num_workers": 0}}
+    for res in launch("run_until_failure", 2, spec, tmp_path, timeout=60):
+        assert res is not None and res["ok"], res
+        assert res["raised"] == "ODBPeerError" and res["steps"] == 0, res
+
+
+def test_killed_peer_raises_on_every_survivor(tmp_path: Path) -> None:
+    timeout = 5
+    spec = {"n": 300, "die": {"2": 2}, "loader": {"num_workers": 0, "peer_timeout": timeout}}
+    results = launch("run_until_failure", 3, spec, tmp_path, timeout=60)
+    assert results[2] is None  # the killed rank
+    for rank in (0, 1):
+        res = results[rank]
+        assert res is not None and res["ok"], res
+        assert res["raised"] == "ODBPeerError", res
+        assert res["after_s"] < timeout + 2, res
+
+
+def test_hung_peer_raises_within_peer_timeout(tmp_path: Path) -> None:
+    timeout = 3
+    loader_kw = {"num_workers": 0, "peer_timeout": timeout, "prefetch_thread": False}
+    spec = {"n": 300, "hang": {"1": 2}, "loader": loader_kw}
+    results = launch("run_until_failure", 2, spec, tmp_path, timeout=60)
+    res = results[0]
+    assert res is not None and res["ok"], res
+    assert res["raised"] == "ODBPeerError", res
+    assert res["after_s"] < timeout + 3, res
