@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 from odb_core.bugs import BugVariant
 from odb_core.checker import check
@@ -18,10 +19,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from odb_core.cli import bench, simulate
+
     start = time.perf_counter()
-    ok = checker_summary()
-    print(f"\ndemo finished in {time.perf_counter() - start:.1f}s")
-    return 0 if ok else 1
+    sections: list[tuple[str, Callable[[], bool]]] = [
+        ("python checker", checker_summary),
+        ("simulator", simulate.demo_section),
+        ("torch bench", bench.demo_section),
+    ]
+    results = []
+    for name, section in sections:
+        print()
+        results.append((name, section()))
+    print(f"\n== demo finished in {time.perf_counter() - start:.1f}s ==")
+    for name, ok in results:
+        print(f"  {name:16} {'ok' if ok else 'FAILED'}")
+    return 0 if all(ok for _, ok in results) else 1
 
 
 def checker_summary() -> bool:
