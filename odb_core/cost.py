@@ -40,6 +40,11 @@ class BatchStats(NamedTuple):
         )
 
     @staticmethod
+    def single(s: Sample) -> BatchStats:
+        length = s.tokens + s.visual_tokens
+        return BatchStats(1, length, length, length * length, s.tokens, s.visual_tokens, s.patches)
+
+    @staticmethod
     def of(samples: Iterable[Sample]) -> BatchStats:
         stats = BatchStats()
         for s in samples:
@@ -151,4 +156,4 @@ class Budget:
         return model.cost(stats) <= self.tokens
 
     def fits_alone(self, s: Sample, model: CostModel) -> bool:
-        return self.fits(BatchStats().add(s), model)
+        return self.fits(BatchStats.single(s), model)

@@ -50,7 +50,7 @@ class RankPhase(str, enum.Enum):
     DONE = "done"
 
 
-class RankAction(enum.Enum):
+class RankAction(str, enum.Enum):
     """Local actions of one rank; names match the actions of spec/DGAP.tla."""
 
     OBSERVE = "Observe"
