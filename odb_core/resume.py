@@ -13,6 +13,11 @@ A rank's shard in an incarnation is a pure function of (epoch order, world size,
 rank, base_done) minus its own `done`, so a local record resumes its own rank at
 the same world size, and a global record resumes any world size: every id of the
 epoch is emitted exactly once across the checkpoint.
+
+`carry` (quota mode, see `odb_core.ledger`) is the pending per-rank ledger, the
+same on every rank: while the epoch runs, the ledger it started with (part of its
+plan, re-dealt less `base_done` in a new incarnation); once it has closed, its
+own ledger, which the next epoch starts with.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from odb_core.errors import ConfigError
+from odb_core.ledger import Ledgers, validate_ledgers
 
 STATE_VERSION = 1
 _FORMAT = "odb_core.epoch_progress"
@@ -58,6 +64,7 @@ class EpochProgress:
     world_size: int | None = None
     rank: int | None = None
     done: frozenset[int] = frozenset()
+    carry: Ledgers = ()
 
     @property
     def is_global(self) -> bool:
@@ -96,6 +103,7 @@ class EpochProgress:
             "world_size": self.world_size,
             "rank": self.rank,
             "done": sorted(self.done),
+            "carry": [list(part) for part in self.carry],
         }
 
     @staticmethod
@@ -120,6 +128,7 @@ class EpochProgress:
                 world_size=None if world is None else _int(d, "world_size"),
                 rank=None if rank is None else _int(d, "rank"),
                 done=_ids(d, "done"),
+                carry=validate_ledgers(d.get("carry", ())),
             )
         except KeyError as exc:
             raise ConfigError(f"loader state is missing the field {exc.args[0]!r}") from None
@@ -146,7 +155,7 @@ def merge(states: Iterable[EpochProgress]) -> EpochProgress:
         diff = fingerprint_mismatch(first.fingerprint, p.fingerprint)
         if diff:
             raise ConfigError(f"rank {p.rank} state is from another config: " + "; ".join(diff))
-        for name in ("epoch", "step", "emitted", "closed", "base_done"):
+        for name in ("epoch", "step", "emitted", "closed", "base_done", "carry"):
             if getattr(p, name) != getattr(first, name):
                 raise ConfigError(
                     f"rank {p.rank} state has {name}={_preview(getattr(p, name))} but rank "
@@ -160,7 +169,13 @@ def merge(states: Iterable[EpochProgress]) -> EpochProgress:
             raise ConfigError(f"ids {sorted(clash)[:10]} are done on two ranks; states corrupt")
         done |= p.done
     return EpochProgress(
-        first.fingerprint, first.epoch, first.step, first.emitted, first.closed, frozenset(done)
+        first.fingerprint,
+        first.epoch,
+        first.step,
+        first.emitted,
+        first.closed,
+        frozenset(done),
+        carry=first.carry,
     )
 
 

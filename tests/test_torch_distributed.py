@@ -127,6 +127,23 @@ def run_epochs(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"epochs": epochs}
 
 
+def run_quota_epochs(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    loader = make_loader(rank, world, spec)
+    epochs = []
+    for epoch in range(spec["epochs"]):
+        loader.set_epoch(epoch)
+        steps = [step_record(loader, batch) for batch in loader]
+        epochs.append(
+            {
+                "steps": steps,
+                "carried_in": list(loader.carried_in),
+                "ledger": list(loader.ledger),
+                "carried_count": loader.carried_count,
+            }
+        )
+    return {"epochs": epochs}
+
+
 def run_until_failure(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     loader = make_loader(rank, world, spec)
     last = time.monotonic()
@@ -392,6 +409,41 @@ def test_resume_at_a_random_step_same_and_other_world_size(tmp_path: Path, seed:
     b = ok_results(launch("run_resume_phase_b", 3, spec_b, tmp_path / "b"))
     after_other = check_aligned([r["after"] for r in b], 3)
     assert_exactly_once(before + after_other, list(range(n)))
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_quota_mode_carries_every_unemitted_id_into_the_next_epoch(
+    tmp_path: Path, threaded: bool
+) -> None:
+    n, quota, n_epochs = 160, 110, 4
+    spec = {
+        "n": n,
+        "epochs": n_epochs,
+        "delay": 0.002,  # uneven arrival: the windows differ from run to run
+        "loader": {
+            "mode": "quota",
+            "quota": quota,
+            "shuffle": True,
+            "seed": 3,
+            "prefetch_thread": threaded,
+        },
+    }
+    results = ok_results(launch("run_quota_epochs", 2, spec, tmp_path))
+    previous: list[int] = []
+    for e in range(n_epochs):
+        per_rank = [r["epochs"][e] for r in results]
+        ids = check_aligned([p["steps"] for p in per_rank], 2)  # same closing step
+        assert len(ids) == len(set(ids)), f"epoch {e}: an id was emitted twice"
+        assert len(ids) >= quota  # closed by the quota, not by a rank running dry
+        ledger = per_rank[0]["ledger"]
+        assert all(p["ledger"] == ledger for p in per_rank), "ranks disagree on the ledger"
+        assert all(p["carried_in"] == previous for p in per_rank)
+        assert all(p["carried_count"] == len(ledger) for p in per_rank)
+        assert not set(ledger) & set(ids)
+        assert sorted(ids + ledger) == list(range(n)), f"epoch {e}: an id was dropped"
+        assert set(previous) <= set(ids), f"epoch {e}: a carried id was not emitted"
+        previous = ledger
+    assert previous, "the quota left nothing to carry: the test checks nothing"
 
 
 def test_ranks_with_different_sample_orders_fail_loudly(tmp_path: Path) -> None:

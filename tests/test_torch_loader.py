@@ -251,6 +251,45 @@ def test_quota_mode_closes_early_and_reports_the_ledger() -> None:
     assert sorted(emitted + list(dl.ledger)) == list(range(100))
 
 
+def test_quota_mode_carries_the_ledger_into_the_next_epochs() -> None:
+    dl = loader(Text(100), mode="quota", quota=70, shuffle=True)
+    carried: list[int] = []
+    for epoch in range(4):
+        dl.set_epoch(epoch)
+        emitted = ids_of(run(dl))
+        assert list(dl.carried_in) == carried
+        assert len(emitted) == len(set(emitted))
+        assert set(carried) <= set(emitted)
+        assert dl._index_sampler is not None
+        assert dl._index_sampler.indices[: len(carried)] == carried  # observed first
+        assert dl.carried_count == len(dl.ledger) == 100 - len(emitted)
+        assert sorted(emitted + list(dl.ledger)) == list(range(100))
+        carried = list(dl.ledger)
+
+
+def test_quota_ledger_survives_state_dict_and_an_abandoned_pass() -> None:
+    dl = loader(Text(60), mode="quota", quota=40)
+    first = ids_of(run(dl))
+    state = json.loads(json.dumps(dl.state_dict()))
+    assert sum(map(len, state["carry"])) == 60 - len(first) > 0
+    again = loader(Text(60), mode="quota", quota=40)
+    again.load_state_dict(state)
+    again.set_epoch(1)
+    it = iter(again)
+    next(it)  # a pass that never closes keeps the pending carry
+    again.set_epoch(1)
+    assert list(again.carried_in) == list(dl.ledger)
+    second = ids_of(run(again))
+    assert set(dl.ledger) <= set(second) and len(second) == len(set(second))
+
+
+@pytest.mark.parametrize("kw", [{"id_fn": lambda s: s["idx"]}, {}])
+def test_quota_mode_needs_index_ids(kw: dict[str, Any]) -> None:
+    ds: Any = Text(10) if kw else Stream(10)
+    with pytest.raises(ConfigError, match="mode='quota'"):
+        loader(ds, mode="quota", quota=5, **kw)
+
+
 def test_scale_loss_applies_the_step_scale_and_pads_to_zero() -> None:
     info = run(loader(Text(10)))[0]
     loss = torch.tensor(2.0, requires_grad=True)

@@ -6,6 +6,16 @@ dataset (public API, any start method, persistent workers or not) feeds
 processed samples; the per-rank `RankMachine` decides every batch, step count,
 pad, global count, loss scale and the end of the epoch; one gloo all-gather per
 round moves the machine's vector; the user's `collate_fn` builds each batch.
+
+Quota mode carries over (see odb_core.ledger): the ids a closed epoch did not
+emit (its ledger, gathered from every rank in one collective at the close) are
+the first samples of the next pass, dealt round-robin over the ranks, and are
+removed from that pass's normal split, so no id appears twice in a pass and none
+is dropped. `loader.ledger` / `loader.carried_count` report what the last closed
+epoch carried, `loader.carried_in` what the current pass started with; a log
+line on the `odb_core` logger says it too. The pending carry is part of
+`state_dict()`. A pass that does not close (the loop broke out early) leaves the
+pending carry as it was.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from __future__ import annotations
 import array
 import functools
 import json
+import logging
 import math
 import threading
 import warnings
@@ -31,6 +42,7 @@ from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolCon
 from odb_core.cost import Budget, CostModel
 from odb_core.errors import ConfigError, ODBError
 from odb_core.formers import FormerKind
+from odb_core.ledger import Ledgers, ledger_ids, rank_order, without
 from odb_core.protocol import RankMachine, StepInfo
 from odb_core.resume import EpochProgress, fingerprint_mismatch, merge, partition
 from odb_core.torch.loss import scale_loss
@@ -57,6 +69,8 @@ from odb_core.torch.transport import GlooTransport, LocalTransport, Transport
 from odb_core.trace import TracingRankMachine, cost_model_from_dict
 
 __all__ = ["ODBDataLoader"]
+
+log = logging.getLogger("odb_core")
 
 
 class ODBDataLoader:
@@ -173,6 +187,14 @@ class ODBDataLoader:
             )
         if sampler is not None and shuffle:
             raise ConfigError("sampler and shuffle=True are mutually exclusive (as in DataLoader)")
+        if str(getattr(mode, "value", mode)) == Mode.QUOTA.value and (
+            iterable or id_fn is not None
+        ):
+            raise ConfigError(
+                "mode='quota' carries the samples an epoch did not emit into the next one by "
+                "dataset index, which needs a map-style dataset whose sample ids are its "
+                f"indices; got {'an IterableDataset' if iterable else 'id_fn='}"
+            )
         if not iterable and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise ConfigError(
                 f"dataset {type(dataset).__name__} is neither an IterableDataset nor a sized "
@@ -269,7 +291,10 @@ class ODBDataLoader:
         self._resume: EpochProgress | None = None
         self.epoch = 0
         self.step_info: StepInfo | None = None
-        self.ledger: tuple[int, ...] = ()
+        self._carry: Ledgers = ()  # pending: into the running pass, or out of a closed one
+        self.ledgers: Ledgers = ()  # per rank, of the last closed epoch
+        self.ledger: tuple[int, ...] = ()  # all ranks' ids not emitted by the last closed epoch
+        self.carried_in: tuple[int, ...] = ()  # ids the current pass started with
         self.epoch_stats: EpochStats | None = None  # of the last finished epoch
         self._reset_progress()
 
@@ -294,6 +319,7 @@ class ODBDataLoader:
             if self._closed:
                 return iter(())
             excluded = self._excluded(progress)
+            self.carried_in = ledger_ids(self._carry)
             shard, order_digest = self._start_source(progress, excluded)
             machine_cls = RankMachine if self.trace_dir is None else TracingRankMachine
             trace_path = None
@@ -334,11 +360,12 @@ class ODBDataLoader:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
         if self._resume is not None and self._resume.epoch != epoch:
-            warnings.warn(
-                f"set_epoch({epoch}) discards the loaded state of epoch {self._resume.epoch} "
-                f"(stopped at step {self._resume.step})",
-                stacklevel=2,
-            )
+            if not self._resume.closed:
+                warnings.warn(
+                    f"set_epoch({epoch}) discards the loaded state of epoch "
+                    f"{self._resume.epoch} (stopped at step {self._resume.step})",
+                    stacklevel=2,
+                )
             self._resume = None
         if epoch != self.epoch:
             self._reset_progress()
@@ -353,6 +380,11 @@ class ODBDataLoader:
                     stacklevel=2,
                 )
             set_epoch(epoch)
+
+    @property
+    def carried_count(self) -> int:
+        """How many samples the last closed epoch carried into the next (all ranks)."""
+        return len(self.ledger)
 
     # ---- step info -----------------------------------------------------------
 
@@ -381,6 +413,7 @@ class ODBDataLoader:
             world_size=self.world_size,
             rank=self.rank,
             done=frozenset(self._done),
+            carry=self._carry,
         ).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -400,6 +433,7 @@ class ODBDataLoader:
         with self._lock:
             self._stop_pipeline()
             self._resume = progress
+            self._carry = progress.carry
             self.epoch = progress.epoch
 
     # ---- internals -------------------------------------------------------------
@@ -419,11 +453,28 @@ class ODBDataLoader:
         self._done.update(info.sample_ids)
         if item.last_of_epoch:
             self._closed = True
+            self._close_with(item.ledger)
 
     def _end(self, end: _End) -> None:
         self._closed = True
-        self.ledger = end.ledger
+        self._close_with(end.ledger)
         self.epoch_stats = end.stats
+
+    def _close_with(self, ledgers: Ledgers) -> None:
+        if self.ledgers is ledgers and self._carry is ledgers:
+            return  # the last step already applied this close
+        self._carry = self.ledgers = ledgers
+        self.ledger = ledger_ids(ledgers)
+        if self.config.mode is Mode.QUOTA:
+            log.info(
+                "odb: rank %d: quota epoch %d closed at step %d; %d samples carried into "
+                "the next epoch (%d from this rank)",
+                self.rank,
+                self.epoch,
+                self._step,
+                len(self.ledger),
+                len(ledgers[self.rank]) if self.rank < len(ledgers) else 0,
+            )
 
     def _excluded(self, progress: EpochProgress | None) -> frozenset[int]:
         if progress is None:
@@ -455,8 +506,21 @@ class ODBDataLoader:
             shard = partition(order, self.world_size, self.rank)
         else:
             shard = progress.shard(order, self.world_size, self.rank)
+        carry = self._carry
+        if carry:
+            # A resumed incarnation re-deals what is left of the carry, as it re-splits
+            # what is left of the order (resume.py): the same plan on every rank.
+            if progress is not None and self.partition:
+                carry = without(carry, progress.base_done)
+            shard = rank_order(
+                carry, shard, self.world_size, self.rank, keep_on_rank=not self.partition
+            )
+            shard = [i for i in shard if i not in excluded]
         self._index_sampler.indices = shard
-        digest = zlib.crc32(array.array("q", order).tobytes()) if self.partition else 0
+        digest = 0
+        if self.partition:
+            flat = [*order, -1, *ledger_ids(carry)]
+            digest = zlib.crc32(array.array("q", flat).tobytes())
         return shard, digest
 
     def _stop_pipeline(self) -> None:

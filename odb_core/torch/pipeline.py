@@ -17,6 +17,12 @@ at the same step on every rank leaves no half-issued collective behind. The
 all-gather of round r+1 is in flight while the loop trains on round r, and the
 loop observes more samples into the window while it waits (the machine allows
 prefetch in its WAITING phase).
+
+Quota-mode close. When the final round lands, the rank's ledger (its window and
+ready batches at the close, plus the ids of its source order it never delivered)
+is all-gathered in one extra collective, right after that round's all-gather on
+every rank, and the per-rank ledgers ride on the epoch's last step (and its
+end), so a `state_dict()` taken after the last batch already holds them.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from odb_core.errors import ODBError, SampleError
+from odb_core.config import Mode
+from odb_core.errors import ConfigError, ODBError, ODBPeerError, SampleError
+from odb_core.ledger import Ledgers, validate_ledgers
 from odb_core.protocol import Contribution, RankMachine, StepInfo
 from odb_core.sample import Sample
 from odb_core.torch.measure import CostFn, TruncateFn, default_truncate, measure
@@ -48,6 +56,7 @@ class Emitted(NamedTuple):
     batch: Any
     last_of_round: bool
     last_of_epoch: bool
+    ledger: Ledgers = ()  # on the last step of the epoch: every rank's ledger
 
 
 class _Failure(NamedTuple):
@@ -73,7 +82,7 @@ class EpochStats(NamedTuple):
 
 
 class _End(NamedTuple):
-    ledger: tuple[int, ...]
+    ledger: Ledgers  # every rank's ids not emitted (quota mode), in rank order
     stats: EpochStats
 
 
@@ -93,7 +102,7 @@ class EpochSetup:
     truncate_fn: TruncateFn | None
     pin: Callable[[Any], Any] | None
     pad_fallback: Callable[[], Any]
-    shard: list[int] | None  # map-style: this rank's ids, for the quota ledger
+    shard: list[int] | None  # map-style: this rank's source order, for the quota ledger
     trace_path: Path | None
 
 
@@ -276,12 +285,16 @@ class EpochPipeline:
                     self._collectives += 1
                 result = m.all_gather([Contribution.from_vector(v, steps_per_round) for v in rows])
                 steps = self._emit(result.steps, result.done)
-                if self._threaded or result.done:
+                if result.done:
+                    ledger = self._exchange(self._ledger(result.carried), m.round)
+                    if steps:
+                        steps[-1] = steps[-1]._replace(ledger=ledger)
+                    yield from steps
+                    return _End(ledger, self._stats(m.round))
+                if self._threaded:
                     yield from steps
                 else:
                     deferred = steps
-                if result.done:
-                    return _End(self._ledger(result.carried), self._stats(m.round))
                 r += 1
             return _Failure(ODBError("the loader was closed before the epoch ended"))
         finally:
@@ -296,6 +309,7 @@ class EpochPipeline:
         out = []
         n = len(infos)
         for j, info in enumerate(infos):
+            self._emitted_ids.update(info.sample_ids)
             batch = None if self._stopping else self._collate(info)
             if self.s.step_offset:
                 info = dataclasses.replace(info, step=info.step + self.s.step_offset)
@@ -344,7 +358,6 @@ class EpochPipeline:
         else:
             raws = [self._raw.pop(i) for i in info.sample_ids]
             original = {i: self._tokens.pop(i) for i in info.sample_ids}
-            self._emitted_ids.update(info.sample_ids)
             if info.truncated:
                 raws = self._truncate(info, raws, original)
             batch = self.s.collate(raws)
@@ -366,13 +379,29 @@ class EpochPipeline:
 
     def _ledger(self, carried: tuple[Sample, ...]) -> tuple[int, ...]:
         """Ids of this rank's epoch not emitted (quota mode): carried by the close,
-        plus, for map-style data, those never pulled."""
+        plus, for map-style data, those never pulled; in source order, which is
+        the order the next epoch takes them in."""
         self._raw.clear()
         self._tokens.clear()
         if self.s.shard is None:
-            return tuple(sorted(s.id for s in carried))
+            return tuple(s.id for s in carried)
         done = self._emitted_ids | self.s.excluded
-        return tuple(sorted(i for i in self.s.shard if i not in done))
+        return tuple(i for i in self.s.shard if i not in done)
+
+    def _exchange(self, mine: tuple[int, ...], round_: int) -> Ledgers:
+        m = self.s.machine
+        if m.config.mode is not Mode.QUOTA:
+            return ()  # join mode closes with nothing carried: no extra collective
+        rows = self.s.transport.exchange((*self.s.tag, round_), mine)
+        if len(rows) != m.config.world_size or list(rows[m.rank]) != list(mine):
+            raise ODBPeerError(
+                f"rank {m.rank}: the ledger exchange returned {len(rows)} ledgers for world "
+                f"size {m.config.world_size}, or not this rank's own"
+            )
+        try:
+            return validate_ledgers(rows)
+        except ConfigError as exc:
+            raise ODBPeerError(f"rank {m.rank}: inconsistent ledgers from peers: {exc}") from exc
 
     def _save_trace(self) -> None:
         m, path = self.s.machine, self.s.trace_path

@@ -10,6 +10,10 @@ epoch-order digest, iteration, round): the framing integers only let a rank
 detect a peer with another config, another sample order, or in another round
 (for instance one that iterated the loader a different number of times) and fail
 loudly instead of mixing rounds or losing samples.
+
+A quota-mode epoch adds one collective at its close: `exchange` all-gathers each
+rank's ledger (the ids it did not emit) so every rank can plan the next epoch
+alike (see odb_core.ledger). Join mode never issues it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class Transport(Protocol):
 
     def start(self, tag: tuple[int, ...], vector: Sequence[int]) -> Gathering: ...
 
+    def exchange(self, tag: tuple[int, ...], ids: Sequence[int]) -> list[list[int]]: ...
+
 
 class _Ready:
     def __init__(self, rows: list[list[int]]) -> None:
@@ -56,6 +62,9 @@ class LocalTransport:
 
     def start(self, tag: tuple[int, ...], vector: Sequence[int]) -> Gathering:
         return _Ready([list(vector)])
+
+    def exchange(self, tag: tuple[int, ...], ids: Sequence[int]) -> list[list[int]]:
+        return [list(ids)]
 
 
 class GlooTransport:
@@ -87,6 +96,29 @@ class GlooTransport:
             ) from exc
         assert work is not None
         return _GlooGathering(self, work, out, tag)
+
+    def exchange(self, tag: tuple[int, ...], ids: Sequence[int]) -> list[list[int]]:
+        """Every rank's ledger ids, in rank order. One all_gather_object on the gloo
+        group, whose timeout is peer_timeout."""
+        out: list[object] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, (tag, list(ids)), group=self.group)
+        except RuntimeError as exc:
+            raise ODBPeerError(
+                f"rank {self.rank}: a peer rank died or hung (no ledger exchange at the close "
+                f"of the epoch within peer_timeout={self.timeout:g}s): {exc}"
+            ) from exc
+        rows: list[list[int]] = []
+        for peer, got in enumerate(out):
+            if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], list)):
+                raise ODBPeerError(f"rank {peer} sent a malformed ledger {got!r}")
+            if tuple(got[0]) != tag:
+                raise ODBPeerError(
+                    f"rank {self.rank} closed the epoch with (config digest, order digest, "
+                    f"iteration, round) = {tag} but rank {peer} with {tuple(got[0])}"
+                )
+            rows.append(got[1])
+        return rows
 
 
 class _GlooGathering:
