@@ -1,0 +1,441 @@
+-------------------------------- MODULE DGAP --------------------------------
+(***************************************************************************)
+(* DGAP: the Distributed Group Alignment Protocol of odb-core, one epoch.   *)
+(*                                                                         *)
+(* W ranks each read their own shard of samples.  A rank observes samples  *)
+(* into a window of K, forms batches under a token budget with the         *)
+(* sort-window greedy former, and offers at most M of them to a round's    *)
+(* all-gather.  Every rank reduces the gathered vectors with the same      *)
+(* decision (Decide): how many aligned steps the round runs and whether    *)
+(* the epoch closes.  A rank with no real batch for a step runs a pad step.*)
+(*                                                                         *)
+(* Variables and actions mirror odb_core name for name: the per-rank       *)
+(* variables are the fields of protocol.RankSnapshot, the others those of  *)
+(* model.GlobalState; the actions are model.Action names.  The Python      *)
+(* model's reachable state graph equals this spec's on small constants     *)
+(* (odb_core/conformance.py), and recorded runs are replayed through it    *)
+(* (Trace modules built by odb_core/tlc.py).                               *)
+(*                                                                         *)
+(* A batch is the set of its sample ids: the order inside a batch and its  *)
+(* oversize flag are functions of that set.  Oversized samples follow the  *)
+(* `solo` policy (a batch of its own); with every sample within budget,    *)
+(* which the model configs of this repository use, `error` is the same.    *)
+(***************************************************************************)
+EXTENDS Naturals, Sequences, FiniteSets
+
+CONSTANTS
+    W,              \* world size; ranks are 0 .. W-1
+    Shard,          \* Shard[r]: the ids rank r's source yields this epoch
+    SampleLen,      \* SampleLen[i]: text + visual tokens of sample i; ids = DOMAIN
+    SamplePatches,  \* SamplePatches[i]: visual patches of sample i
+    Budget,         \* token budget of one batch (integral)
+    MaxSamples,     \* cap on samples per batch, 0 = none
+    MaxPatches,     \* cap on patches per batch, 0 = none
+    CostModel,      \* "packed" (sum of lengths) or "padded" (n * max length)
+    K,              \* window (buffer) size per rank
+    M,              \* max steps agreed per round
+    Mode,           \* "join" or "quota"
+    Quota,          \* global sample quota in quota mode, 0 = none
+    Deterministic,  \* TRUE: a source yields its samples in id order
+    NoValue         \* model value: no contribution / empty inbox
+
+Ranks == 0 .. W - 1
+Ids == DOMAIN SampleLen
+Phases == {"filling", "waiting", "done"}
+
+ASSUME
+    /\ W \in Nat \ {0}
+    /\ K \in Nat \ {0}
+    /\ M \in Nat \ {0}
+    /\ Shard \in [Ranks -> SUBSET Ids]
+    /\ \A r, s \in Ranks : r # s => Shard[r] \cap Shard[s] = {}
+    /\ UNION {Shard[r] : r \in Ranks} = Ids
+    /\ SamplePatches \in [Ids -> Nat]
+    /\ Budget \in Nat /\ MaxSamples \in Nat /\ MaxPatches \in Nat /\ Quota \in Nat
+    /\ CostModel \in {"packed", "padded"}
+    /\ Mode \in {"join", "quota"}
+    /\ Mode = "join" => Quota = 0
+    /\ Deterministic \in BOOLEAN
+
+VARIABLES
+    phase,          \* per rank: "filling" | "waiting" | "done"
+    exhausted,      \* per rank: the source was found dry
+    buffer,         \* per rank: the window, a set of ids
+    ready,          \* per rank: formed batches not yet emitted, a sequence of id sets
+    steps,          \* per rank: aligned steps run (real and pad)
+    pads,           \* per rank: pad steps run
+    round,          \* per rank: collectives completed
+    emitted,        \* per rank: global real samples emitted so far (its view)
+    contribution,   \* per rank: the vector it put into the open round, or NoValue
+    pending,        \* per rank: ids its source has not yielded yet
+    inbox,          \* per rank: the gathered round it has not consumed, or NoValue
+    delivered,      \* per id: how many times it was emitted in a real batch
+    ledger          \* ids carried to the next epoch by a quota-mode close
+
+rankVars == <<phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution>>
+vars == <<rankVars, pending, inbox, delivered, ledger>>
+
+-----------------------------------------------------------------------------
+(* Arithmetic helpers (TLC 2.15 ships no CommunityModules).                *)
+
+RECURSIVE SumOver(_, _)
+SumOver(S, f) ==
+    IF S = {} THEN 0
+    ELSE LET x == CHOOSE x \in S : TRUE IN f[x] + SumOver(S \ {x}, f)
+
+SumSeq(s) == SumOver(DOMAIN s, s)
+MinOf(S) == CHOOSE x \in S : \A y \in S : x <= y
+MaxOf(S) == CHOOSE x \in S : \A y \in S : y <= x
+Min2(a, b) == IF a <= b THEN a ELSE b
+
+-----------------------------------------------------------------------------
+(* Cost models and the sort-window greedy former (formers.py).             *)
+
+Tokens(B) == SumOver(B, SampleLen)
+
+Cost(B) ==
+    IF CostModel = "padded"
+    THEN IF B = {} THEN 0 ELSE Cardinality(B) * MaxOf({SampleLen[i] : i \in B})
+    ELSE Tokens(B)
+
+Fits(B) ==
+    /\ Cost(B) <= Budget
+    /\ MaxSamples = 0 \/ Cardinality(B) <= MaxSamples
+    /\ MaxPatches = 0 \/ SumOver(B, SamplePatches) <= MaxPatches
+
+\* Longest first, ties by the smaller id: the order never depends on arrivals.
+Before(i, j) == SampleLen[i] > SampleLen[j] \/ (SampleLen[i] = SampleLen[j] /\ i <= j)
+
+RECURSIVE LongestFirst(_)
+LongestFirst(S) ==
+    IF S = {} THEN <<>>
+    ELSE LET h == CHOOSE i \in S : \A j \in S : Before(i, j)
+         IN <<h>> \o LongestFirst(S \ {h})
+
+\* Fold over the sorted window: a batch is closed when the next sample would
+\* overflow it; a sample that does not fit alone gets a batch of its own.
+RECURSIVE Greedy(_, _, _)
+Greedy(seq, open, closed) ==
+    IF seq = <<>> THEN [closed |-> closed, open |-> open]
+    ELSE LET s == Head(seq)
+         IN IF open = {} \/ Fits(open \cup {s})
+            THEN Greedy(Tail(seq), open \cup {s}, closed)
+            ELSE Greedy(Tail(seq), {s}, Append(closed, open))
+
+\* Without flush the last, open batch goes back to the window to meet later
+\* arrivals, unless it is the only batch: a full window always progresses.
+Split(g, flush) ==
+    IF g.open = {} THEN [batches |-> g.closed, leftovers |-> {}]
+    ELSE IF flush \/ g.closed = <<>>
+         THEN [batches |-> Append(g.closed, g.open), leftovers |-> {}]
+         ELSE [batches |-> g.closed, leftovers |-> g.open]
+
+\* (Values used twice are passed as operator arguments, which TLC evaluates
+\* once; it re-evaluates LET definitions under ENABLED, i.e. for fairness.)
+FormResult(S, flush) == Split(Greedy(LongestFirst(S), {}, <<>>), flush)
+
+-----------------------------------------------------------------------------
+(* The collective: what each rank offers and what every rank decides.      *)
+
+\* protocol.RankMachine._make_contribution
+Offer(r) ==
+    LET n == Min2(Len(ready[r]), M)
+    IN [offered |-> n,
+        final   |-> exhausted[r] /\ buffer[r] = {} /\ Len(ready[r]) <= M,
+        samples |-> [t \in 1 .. n |-> Cardinality(ready[r][t])],
+        tokens  |-> [t \in 1 .. n |-> Tokens(ready[r][t])]]
+
+CutAt(k, gs, gt, done) ==
+    [steps |-> k, done |-> done,
+     global_samples |-> SubSeq(gs, 1, k), global_tokens |-> SubSeq(gt, 1, k)]
+
+\* The exact-step quota cut on the round's global sample counts gs.
+QuotaCut(gs, gt, done0, before) ==
+    LET hits == IF Mode = "quota" /\ Quota > 0
+                THEN {t \in DOMAIN gs : before + SumSeq(SubSeq(gs, 1, t)) >= Quota}
+                ELSE {}
+    IN CutAt(IF hits = {} THEN Len(gs) ELSE MinOf(hits), gs, gt, done0 \/ hits # {})
+
+\* protocol.decide_round, on the gathered vectors g and emitted-so-far `before`.
+\* join:  k = min offered over ranks that are not final, else max offered and
+\*        the epoch ends.  quota: k = min offered over all ranks, the epoch ends
+\*        when a final rank offered exactly k, or at the exact step the global
+\*        sample count reaches the quota.
+Decide(g, before) ==
+    LET open == {r \in Ranks : ~g[r].final}
+        k0 == IF Mode = "join"
+              THEN IF open # {} THEN MinOf({g[r].offered : r \in open})
+                   ELSE MaxOf({g[r].offered : r \in Ranks})
+              ELSE MinOf({g[r].offered : r \in Ranks})
+        done0 == IF Mode = "join" THEN open = {}
+                 ELSE \E r \in Ranks : g[r].final /\ g[r].offered = k0
+        Column(t, field) ==
+            LET S == {r \in Ranks : t <= g[r].offered}
+            IN SumOver(S, [r \in S |-> g[r][field][t]])
+    IN QuotaCut([t \in 1 .. k0 |-> Column(t, "samples")],
+                [t \in 1 .. k0 |-> Column(t, "tokens")], done0, before)
+
+-----------------------------------------------------------------------------
+(* Which local action a rank may take (RankMachine.enabled).                *)
+
+NeedsSample(r) ==
+    \/ /\ phase[r] = "waiting"          \* prefetch while the collective runs
+       /\ ~exhausted[r] /\ Cardinality(buffer[r]) < K
+    \/ /\ phase[r] = "filling" /\ ready[r] = <<>>
+       /\ ~exhausted[r] /\ Cardinality(buffer[r]) < K
+
+CanForm(r) ==
+    /\ phase[r] = "filling" /\ ready[r] = <<>>
+    /\ Cardinality(buffer[r]) >= K \/ (exhausted[r] /\ buffer[r] # {})
+
+CanContribute(r) ==
+    /\ phase[r] = "filling"
+    /\ ready[r] # <<>> \/ (exhausted[r] /\ buffer[r] = {})
+
+-----------------------------------------------------------------------------
+(* Actions.                                                                 *)
+
+Init ==
+    /\ phase = [r \in Ranks |-> "filling"]
+    /\ exhausted = [r \in Ranks |-> FALSE]
+    /\ buffer = [r \in Ranks |-> {}]
+    /\ ready = [r \in Ranks |-> <<>>]
+    /\ steps = [r \in Ranks |-> 0]
+    /\ pads = [r \in Ranks |-> 0]
+    /\ round = [r \in Ranks |-> 0]
+    /\ emitted = [r \in Ranks |-> 0]
+    /\ contribution = [r \in Ranks |-> NoValue]
+    /\ pending = Shard
+    /\ inbox = [r \in Ranks |-> NoValue]
+    /\ delivered = [i \in Ids |-> 0]
+    /\ ledger = {}
+
+\* Sample i arrives from rank r's source (in id order when Deterministic).
+Observe(r, i) ==
+    /\ NeedsSample(r)
+    /\ i \in pending[r]
+    /\ Deterministic => i = MinOf(pending[r])
+    /\ buffer' = [buffer EXCEPT ![r] = @ \cup {i}]
+    /\ pending' = [pending EXCEPT ![r] = @ \ {i}]
+    /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted, contribution,
+                   inbox, delivered, ledger>>
+
+\* Rank r's source is found dry.
+Exhaust(r) ==
+    /\ NeedsSample(r)
+    /\ pending[r] = {}
+    /\ exhausted' = [exhausted EXCEPT ![r] = TRUE]
+    /\ UNCHANGED <<phase, buffer, ready, steps, pads, round, emitted, contribution,
+                   pending, inbox, delivered, ledger>>
+
+\* Run the former on the window: a full window, or the tail of a dry source.
+Form(r) ==
+    /\ CanForm(r)
+    /\ \E res \in {FormResult(buffer[r], Cardinality(buffer[r]) < K)} :
+          /\ ready' = [ready EXCEPT ![r] = @ \o res.batches]
+          /\ buffer' = [buffer EXCEPT ![r] = res.leftovers]
+    /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
+                   pending, inbox, delivered, ledger>>
+
+\* Enter the round's all-gather with this rank's vector.
+Contribute(r) ==
+    /\ CanContribute(r)
+    /\ contribution' = [contribution EXCEPT ![r] = Offer(r)]
+    /\ phase' = [phase EXCEPT ![r] = "waiting"]
+    /\ UNCHANGED <<exhausted, buffer, ready, steps, pads, round, emitted,
+                   pending, inbox, delivered, ledger>>
+
+\* The collective completes once every rank has contributed and consumed the
+\* previous round; every rank gets the same gathered vectors.
+AllGather ==
+    /\ \A r \in Ranks : phase[r] = "waiting" /\ inbox[r] = NoValue
+    /\ inbox' = [r \in Ranks |-> contribution]
+    /\ UNCHANGED <<rankVars, pending, delivered, ledger>>
+
+\* (`\E x \in {e}` binds e once: TLC does not cache LET values when it
+\* evaluates ENABLED for the fairness condition, and Decide is not cheap.)
+\* Rank r consumes the gathered round: it runs the agreed steps, real batches
+\* from the head of its queue and pad steps after them, then either starts the
+\* next round or closes the epoch, carrying what it still holds to the ledger.
+Receive(r) ==
+    /\ inbox[r] # NoValue
+    /\ \E d \in {Decide(inbox[r], emitted[r])} :
+       LET real == Min2(d.steps, Len(ready[r]))
+           rest == SubSeq(ready[r], real + 1, Len(ready[r]))
+           carried == buffer[r] \cup UNION {rest[t] : t \in DOMAIN rest}
+       IN /\ steps' = [steps EXCEPT ![r] = @ + d.steps]
+          /\ pads' = [pads EXCEPT ![r] = @ + (d.steps - real)]
+          /\ emitted' = [emitted EXCEPT ![r] = @ + SumSeq(d.global_samples)]
+          /\ round' = [round EXCEPT ![r] = @ + 1]
+          /\ contribution' = [contribution EXCEPT ![r] = NoValue]
+          /\ inbox' = [inbox EXCEPT ![r] = NoValue]
+          /\ delivered' = [i \in Ids |->
+                delivered[i] + Cardinality({t \in 1 .. real : i \in ready[r][t]})]
+          /\ IF d.done
+             THEN /\ phase' = [phase EXCEPT ![r] = "done"]
+                  /\ buffer' = [buffer EXCEPT ![r] = {}]
+                  /\ ready' = [ready EXCEPT ![r] = <<>>]
+                  /\ ledger' = ledger \cup carried \cup pending[r]
+                  /\ pending' = [pending EXCEPT ![r] = {}]
+             ELSE /\ phase' = [phase EXCEPT ![r] = "filling"]
+                  /\ ready' = [ready EXCEPT ![r] = rest]
+                  /\ UNCHANGED <<buffer, ledger, pending>>
+    /\ UNCHANGED exhausted
+
+AllDone == \A r \in Ranks : phase[r] = "done"
+
+\* A finished epoch stutters, so that TLC's deadlock check flags real deadlocks only.
+Terminating == AllDone /\ UNCHANGED vars
+
+ProtocolNext ==
+    \/ \E r \in Ranks :
+        \/ \E i \in Ids : Observe(r, i)
+        \/ Exhaust(r)
+        \/ Form(r)
+        \/ Contribute(r)
+        \/ Receive(r)
+    \/ AllGather
+
+Next == ProtocolNext \/ Terminating
+
+\* Weak fairness of the protocol's steps, the source's included (it eventually
+\* yields a sample or is found dry): while some step stays enabled, one is
+\* taken.  Nothing is assumed of Terminating.  Here this is weaker than weak
+\* fairness of each action: a state that enables a protocol step can only
+\* stutter, so a behaviour that never takes one keeps every enabled action
+\* enabled forever.
+Fairness == WF_vars(ProtocolNext)
+
+\* ENABLED <<ProtocolNext>>_vars written out: every guard has a successor that
+\* changes some variable (EnabledExact checks it).  TLC evaluates ENABLED of
+\* these actions slowly, so the models check LiveSpec, which is Spec with
+\* WF unfolded into  []<>~ENABLED <<A>>_v \/ []<><<A>>_v  over this predicate.
+ProtocolEnabled ==
+    \/ \E r \in Ranks :
+        NeedsSample(r) \/ CanForm(r) \/ CanContribute(r) \/ inbox[r] # NoValue
+    \/ \A r \in Ranks : phase[r] = "waiting" /\ inbox[r] = NoValue
+
+LiveFairness == []<>(~ProtocolEnabled) \/ []<><<ProtocolNext>>_vars
+
+Spec == Init /\ [][Next]_vars /\ Fairness
+LiveSpec == Init /\ [][Next]_vars /\ LiveFairness
+
+-----------------------------------------------------------------------------
+(* Invariants, named as in odb_core/invariants.py.                          *)
+
+ContributionType ==
+    [offered : 0 .. M, final : BOOLEAN, samples : Seq(Nat), tokens : Seq(Nat)]
+
+TypeOK ==
+    /\ phase \in [Ranks -> Phases]
+    /\ exhausted \in [Ranks -> BOOLEAN]
+    /\ buffer \in [Ranks -> SUBSET Ids]
+    /\ ready \in [Ranks -> Seq((SUBSET Ids) \ {{}})]
+    /\ steps \in [Ranks -> Nat] /\ pads \in [Ranks -> Nat]
+    /\ round \in [Ranks -> Nat] /\ emitted \in [Ranks -> Nat]
+    /\ contribution \in [Ranks -> ContributionType \cup {NoValue}]
+    /\ pending \in [Ranks -> SUBSET Ids]
+    /\ inbox \in [Ranks -> [Ranks -> ContributionType \cup {NoValue}] \cup {NoValue}]
+    /\ delivered \in [Ids -> Nat]
+    /\ ledger \subseteq Ids
+    /\ \A r \in Ranks : Cardinality(buffer[r]) <= K /\ pads[r] <= steps[r]
+
+\* Ranks that completed the same number of rounds ran the same number of steps.
+StepAlignment ==
+    \A r, s \in Ranks : round[r] = round[s] => steps[r] = steps[s]
+
+\* Ranks are never more than one collective apart.
+CollectiveAlignment ==
+    \A r, s \in Ranks : round[r] <= round[s] + 1
+
+NoDuplicate == \A i \in Ids : delivered[i] <= 1
+
+\* Every id is in exactly one place: a source, a window, a formed batch,
+\* delivered once, or in the ledger.
+Places(i) ==
+    delivered[i]
+    + Cardinality({r \in Ranks : i \in pending[r]})
+    + Cardinality({r \in Ranks : i \in buffer[r]})
+    + SumOver(Ranks, [r \in Ranks |-> Cardinality({t \in DOMAIN ready[r] : i \in ready[r][t]})])
+    + (IF i \in ledger THEN 1 ELSE 0)
+
+\* \A i \in Ids : Places(i) = 1, counted for all ids at once (linear in the ids,
+\* which matters when TLC replays a long recorded trace): the places cover the
+\* ids and their sizes add up to the number of ids.
+NoLoss ==
+    LET D == {i \in Ids : delivered[i] > 0}
+        Queued(r) == UNION {ready[r][t] : t \in DOMAIN ready[r]}
+        QueuedSize(r) == SumSeq([t \in DOMAIN ready[r] |-> Cardinality(ready[r][t])])
+        Held(r) == Cardinality(pending[r]) + Cardinality(buffer[r]) + QueuedSize(r)
+    IN /\ \A i \in D : delivered[i] = 1
+       /\ D \cup ledger \cup UNION {pending[r] \cup buffer[r] \cup Queued(r) : r \in Ranks} = Ids
+       /\ Cardinality(D) + Cardinality(ledger) + SumOver(Ranks, [r \in Ranks |-> Held(r)])
+            = Cardinality(Ids)
+
+IdentityCoverage ==
+    Mode = "join" =>
+        /\ ledger = {}
+        /\ AllDone => \A i \in Ids : delivered[i] = 1
+
+QuotaClosure ==
+    (Mode = "quota" /\ AllDone) =>
+        /\ \A i \in Ids : delivered[i] + (IF i \in ledger THEN 1 ELSE 0) = 1
+        /\ \/ Quota > 0 /\ Cardinality({i \in Ids : delivered[i] = 1}) >= Quota
+           \/ \E r \in Ranks : \A i \in Shard[r] : delivered[i] >= 1
+
+\* A batch over budget is a single sample that does not fit alone (`solo`).
+BudgetSafety ==
+    \A r \in Ranks : \A t \in DOMAIN ready[r] :
+        Fits(ready[r][t]) \/ Cardinality(ready[r][t]) = 1
+
+StepsBound == MaxOf({Cardinality(Shard[r]) : r \in Ranks})
+RoundsBound == StepsBound + 1
+
+BoundedTermination ==
+    \A r \in Ranks : steps[r] <= StepsBound /\ round[r] <= RoundsBound
+
+\* A rank finishes only in a round that closes the epoch for every rank.
+TerminationAgreement ==
+    \A r, s \in Ranks :
+        (phase[r] = "done" /\ phase[s] # "done") =>
+            inbox[s] # NoValue /\ round[s] = round[r] - 1
+
+\* Spec-only: while a vector is in flight it describes the head of the rank's
+\* queue, so the global counts of a step are the sums of the local ones.
+ExactLossScaling ==
+    \A r \in Ranks :
+        /\ contribution[r] # NoValue =>
+            LET c == contribution[r]
+            IN /\ c.offered <= Len(ready[r])
+               /\ \A t \in 1 .. c.offered :
+                    c.samples[t] = Cardinality(ready[r][t]) /\ c.tokens[t] = Tokens(ready[r][t])
+        /\ inbox[r] # NoValue => inbox[r][r] = contribution[r]
+
+\* Spec-only: a rank pads only once it has nothing left (source dry, window
+\* and queue empty), and never in quota mode.  So each rank's steps are its
+\* batches, then pads; with DeterministicArrival, what every rank emits at
+\* every step is independent of the schedule.
+PadsOnlyAtEnd ==
+    \A r \in Ranks :
+        /\ pads[r] > 0 => exhausted[r] /\ buffer[r] = {} /\ ready[r] = <<>>
+        /\ Mode = "quota" => pads[r] = 0
+
+\* Spec-only: in deterministic mode a rank has consumed a prefix of its shard.
+DeterministicArrival ==
+    Deterministic =>
+        \A r \in Ranks : pending[r] # {} =>
+            \A i \in Shard[r] \ pending[r] : i < MinOf(pending[r])
+
+\* Checked on small models only: TLC's ENABLED is slow here.
+EnabledExact == ProtocolEnabled = ENABLED <<ProtocolNext>>_vars
+
+\* Witnesses that the bounds are tight: a model pins that these are violated.
+StepsBelowBound == \A r \in Ranks : steps[r] < StepsBound
+RoundsBelowBound == \A r \in Ranks : round[r] < RoundsBound
+
+-----------------------------------------------------------------------------
+(* Temporal properties.                                                     *)
+
+Termination == <>AllDone
+
+=============================================================================

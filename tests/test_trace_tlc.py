@@ -1,0 +1,157 @@
+"""Trace validation through TLC: recorded runs of TracingRankMachine are inlined
+into a Trace module and replayed through spec/DGAP.tla; corrupted ones are rejected."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_tlc import BY_NAME, require_tlc
+
+from odb_core.cli import main
+from odb_core.conformance import record_random_trace
+from odb_core.formers import FormerKind
+from odb_core.model import ModelConfig
+from odb_core.tlc import linearize
+from odb_core.trace import ProtocolTrace, validate_trace, validate_trace_tlc
+
+CONFIGS = [
+    "MCjoin_w3_n6_k1",
+    "MCquota_w2_n8_k2_q3",
+    "MCjoin_w2_n7_k3_padded",
+    "MCjoin_w2_n6_k2_det",
+    "MCquota_w3_n8_k3",
+    "MCbounds_w2_n5_k1",
+]
+
+
+def recorded(name: str, seed: int) -> ProtocolTrace:
+    return record_random_trace(BY_NAME[name].model_config(), seed)
+
+
+def test_linearisation_keeps_rank_order_and_the_rendezvous() -> None:
+    c, r, o = ({"action": a} for a in ("Contribute", "Receive", "Observe"))
+    order = linearize([[o, c, o, r, c, r], [c, r, o, c, r]])
+    assert order == [
+        (0, 0), (0, 1), (1, 0), (None, -1), (0, 2), (0, 3), (1, 1),
+        (0, 4), (1, 2), (1, 3), (None, -1), (0, 5), (1, 4),
+    ]  # fmt: skip
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_recorded_traces_are_accepted(name: str, seed: int) -> None:
+    require_tlc()
+    trace = recorded(name, seed)
+    python = validate_trace(trace)
+    assert python.ok, python.reason
+    report = validate_trace_tlc(trace)
+    assert report.ok, report.reason
+    assert sorted(report.actions) == sorted(python.actions)
+    assert report.model is not None and report.model.shards == python.model.shards  # type: ignore[union-attr]
+
+
+def _events(trace: ProtocolTrace, rank: int, action: str) -> list[dict[str, Any]]:
+    return [e for e in trace.ranks[rank].events if e["action"] == action]
+
+
+def _bump_vector(t: ProtocolTrace) -> None:
+    _events(t, 0, "Contribute")[0]["vector"][2] += 1  # samples of the first offered batch
+
+
+def _swap_emitted_batch(t: ProtocolTrace) -> None:
+    receive = next(e for e in _events(t, 1, "Receive") if any(e["steps"]))
+    step = next(s for s in receive["steps"] if s)
+    theirs = next(e["sample"][0] for e in _events(t, 0, "Observe"))
+    step[0] = theirs  # a sample of rank 0, emitted by rank 1
+
+
+def _flip_done(t: ProtocolTrace) -> None:
+    _events(t, 0, "Receive")[0]["done"] = not _events(t, 0, "Receive")[0]["done"]
+
+
+def _drop_last_receive(t: ProtocolTrace) -> None:
+    events = t.ranks[2].events
+    del events[max(i for i, e in enumerate(events) if e["action"] == "Receive")]
+
+
+def _form_before_observe(t: ProtocolTrace) -> None:
+    events = t.ranks[1].events
+    i = next(i for i, e in enumerate(events) if e["action"] == "Form")
+    events[i - 1], events[i] = events[i], events[i - 1]
+
+
+def _pad_as_real(t: ProtocolTrace) -> None:
+    for rt in t.ranks:
+        for e in rt.events:
+            if e["action"] == "Receive" and None in e["steps"]:
+                own = next(o["sample"][0] for o in rt.events if o["action"] == "Observe")
+                e["steps"][e["steps"].index(None)] = [own]  # a pad reported as a real batch
+                return
+    raise AssertionError("no pad step in this trace")
+
+
+CORRUPTIONS: dict[str, Callable[[ProtocolTrace], None]] = {
+    "vector": _bump_vector,
+    "emitted-batch": _swap_emitted_batch,
+    "done-flag": _flip_done,
+    "missing-receive": _drop_last_receive,
+    "reordered": _form_before_observe,
+    "pad-as-real": _pad_as_real,
+}
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_corrupted_traces_are_rejected(corruption: str) -> None:
+    require_tlc()
+    trace = recorded("MCjoin_w3_n6_k1", 5)
+    if corruption == "pad-as-real":
+        trace = next(
+            t
+            for t in (recorded("MCbounds_w2_n5_k1", s) for s in range(20))
+            if any(None in e.get("steps", ()) for rt in t.ranks for e in rt.events)
+        )
+    assert validate_trace_tlc(trace).ok
+    bad = copy.deepcopy(trace)
+    CORRUPTIONS[corruption](bad)
+    report = validate_trace_tlc(bad)
+    assert not report.ok
+    assert report.reason, "a rejection says where"
+    assert not validate_trace(bad).ok, "the Python replay rejects it too"
+
+
+@pytest.mark.tlc
+def test_cli_validates_per_rank_trace_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require_tlc()
+    trace = recorded("MCjoin_w3_n6_k1", 3)
+    files = []
+    for rt in trace.ranks:
+        path = tmp_path / f"rank{rt.rank}.json"
+        ProtocolTrace(trace.protocol, [rt]).save(path)
+        files.append(str(path))
+    assert main(["check", "--trace", *files, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["python"]["ok"] and out["tlc"]["ok"]
+    bad = copy.deepcopy(trace)
+    _bump_vector(bad)
+    bad.save(tmp_path / "bad.json")
+    assert main(["check", "--trace", str(tmp_path / "bad.json"), "--engine", "tlc"]) == 1
+    assert "REJECTED" in capsys.readouterr().out
+
+
+@pytest.mark.tlc
+def test_a_run_the_spec_does_not_model_is_reported() -> None:
+    require_tlc()
+    cfg: ModelConfig = BY_NAME["MCjoin_w2_n4_k1"].model_config()
+    cfg = replace(cfg, protocol=replace(cfg.protocol, former=FormerKind.BEST_FIT_DECREASING))
+    report = validate_trace_tlc(record_random_trace(cfg, 0))
+    assert not report.ok and "does not model" in report.reason
