@@ -279,6 +279,9 @@ def _decision_mismatch(
         delta = [a - b for a, b in zip(after.delivered, before.delivered, strict=True)]
         recorded = [i for step in event["steps"] if step is not None for i in step]
         model_ids = sorted(i for i, d in enumerate(delta) for _ in range(d))
+        unknown = [i for i in recorded if i not in id_map]
+        if unknown:
+            return f"recorded steps emit ids no rank observed: {unknown[:10]}"
         if sorted(id_map[i] for i in recorded) != model_ids:
             return "recorded steps emit different samples than the model"
         n_steps = after.ranks[r].steps - before.ranks[r].steps

@@ -332,11 +332,8 @@ def test_real_run_trace_validates_against_the_model(
 def test_real_run_trace_validates_under_tlc(
     traced_run: tuple[list[dict[str, Any]], Path],
 ) -> None:
-    validate_tlc = getattr(odb_trace, "validate_trace_tlc", None)
-    if validate_tlc is None:
-        pytest.skip("odb_core.trace.validate_trace_tlc is not available yet")
     _, trace_dir = traced_run
-    report = validate_tlc(ProtocolTrace.merge(sorted(trace_dir.glob("*.json"))))
+    report = odb_trace.validate_trace_tlc(ProtocolTrace.merge(sorted(trace_dir.glob("*.json"))))
     assert report.ok, report.reason
 
 

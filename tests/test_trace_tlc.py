@@ -155,3 +155,21 @@ def test_a_run_the_spec_does_not_model_is_reported() -> None:
     cfg = replace(cfg, protocol=replace(cfg.protocol, former=FormerKind.BEST_FIT_DECREASING))
     report = validate_trace_tlc(record_random_trace(cfg, 0))
     assert not report.ok and "does not model" in report.reason
+
+
+def test_python_validator_rejects_an_unknown_emitted_id() -> None:
+    from odb_core.config import ProtocolConfig
+    from odb_core.cost import Budget
+    from odb_core.sample import Sample
+    from odb_core.trace import ProtocolTrace, TracingRankMachine, validate_trace
+
+    m = TracingRankMachine(0, ProtocolConfig(world_size=1, budget=Budget(10), buffer_size=2))
+    source = iter([Sample(0, 3), Sample(1, 4)])
+    done = False
+    while not done:
+        done = m.all_gather([m.fill(lambda: next(source, None))]).done
+    trace = ProtocolTrace.from_machines([m])
+    receive = next(e for e in trace.ranks[0].events if e["action"] == "Receive")
+    receive["steps"][0] = [*receive["steps"][0], 99]
+    report = validate_trace(trace)
+    assert not report.ok and "99" in report.reason

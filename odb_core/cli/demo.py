@@ -19,11 +19,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from odb_core.cli import bench, simulate
+    from odb_core.cli import bench, check, simulate
 
     start = time.perf_counter()
     sections: list[tuple[str, Callable[[], bool]]] = [
         ("python checker", checker_summary),
+        ("TLC + conformance", check.demo_section),
         ("simulator", simulate.demo_section),
         ("torch bench", bench.demo_section),
     ]
