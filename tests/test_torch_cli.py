@@ -5,26 +5,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+from odb_core.torch.launch import free_port
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[1]
 ODB = [sys.executable, "-c", "import sys; from odb_core.cli import main; sys.exit(main())"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_torchrun_example_trains_on_two_ranks() -> None:
@@ -37,7 +29,7 @@ def test_torchrun_example_trains_on_two_ranks() -> None:
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         "examples/train_ddp.py",
         "--samples",
         "300",

@@ -8,14 +8,9 @@ and validates the recorded protocol trace against the model.
 
 from __future__ import annotations
 
-import atexit
-import datetime
-import gc
 import json
 import os
 import random
-import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,12 +19,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
 import odb_core.trace as odb_trace  # noqa: E402
 from odb_core import ODBDataLoader  # noqa: E402
+from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.trace import ProtocolTrace, validate_trace  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(180)]
@@ -189,38 +184,17 @@ def run_resume_phase_b(rank: int, world: int, spec: dict[str, Any]) -> dict[str,
 
 
 def _rank_entry(rank: int, world: int, port: int, fn: str, spec: dict[str, Any], out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_local_gloo(rank, world, port, timeout_s=60)
     try:
         result = {"ok": True, **globals()[fn](rank, world, spec)}
     except BaseException as exc:
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    # Shut DataLoader workers down: torch keeps persistent workers for its atexit hook,
-    # which a multiprocessing child never runs, and a forkserver worker's watchdog
-    # watches the forkserver, not this process.
-    gc.collect()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    release_child_resources()
     os._exit(0)  # a peer may be dead: skip destroy_process_group's handshake
 
 
 # ---- the launcher and the checks -------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def launch(
@@ -228,7 +202,7 @@ def launch(
 ) -> list[dict[str, Any] | None]:
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_entry, args=(r, world, port, fn, spec, str(out)))
         for r in range(world)

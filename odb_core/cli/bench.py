@@ -16,13 +16,8 @@ Imports torch only when run, so `odb --help` stays light.
 from __future__ import annotations
 
 import argparse
-import atexit
-import gc
 import json
-import os
-import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -107,7 +102,9 @@ def bench(
     }
     with tempfile.TemporaryDirectory(prefix="odb-bench-") as tmp:
         out = Path(tmp) / "result.json"
-        port = _free_port()
+        from odb_core.torch.launch import free_port
+
+        port = free_port()
         ctx = mp.get_context("spawn")
         procs = [
             ctx.Process(target=_rank_main, args=(r, ranks, port, params, str(out)), daemon=False)
@@ -182,41 +179,20 @@ def demo_section() -> bool:
 # ---- rank processes ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _rank_main(rank: int, world: int, port: int, params: dict[str, Any], out: str) -> None:
-    import datetime
-
-    import torch
     import torch.distributed as dist
 
     from odb_core.torch import benchmark
+    from odb_core.torch.launch import init_local_gloo, release_child_resources
 
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_local_gloo(rank, world, port, timeout_s=120)
     try:
         result = benchmark.run_rank(rank, world, params)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
-        # Persistent DataLoader workers are shut down by torch's atexit hook, which a
-        # multiprocessing child never runs (forkserver workers would outlive us).
-        gc.collect()
-        atexit._run_exitfuncs()
-    sys.stdout.flush()
+        release_child_resources()
 
 
 def median(xs: list[float]) -> float:
