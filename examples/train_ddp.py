@@ -1,15 +1,22 @@
-"""A plain DDP training loop on CPU with ODBDataLoader.
+"""A plain DDP training loop on CPU with ODBDataLoader and gradient accumulation.
 
     torchrun --nproc_per_node 2 examples/train_ddp.py
 
-The only changes from a DataLoader loop: the loader (a token budget instead of a
-batch size) and one line that scales the loss, so that after DDP averages the
-gradients the update is the exact mean over every real token of the global step.
+The changes from a DataLoader loop: the loader (a token budget instead of a batch
+size; `grad_accum_steps` instead of counting micro-steps yourself), and the loss:
+each batch carries its step metadata (`pop_step_meta`), and `causal_lm_loss`
+scales the summed token loss by W / (the window's loss tokens over all ranks), so
+that after DDP averages the gradients, the update of each optimizer window is the
+exact mean over every loss token (labels not masked) of the window, on every rank.
+Pad steps (a rank with nothing left) scale to 0 but still run their backward, so
+DDP's all-reduce lines up. Micro-steps that do not close their window skip the
+all-reduce with `no_sync()`; every rank agrees on which ones those are.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 
@@ -19,13 +26,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from odb_core import ODBDataLoader
+from odb_core import ODBDataLoader, causal_lm_loss, pop_step_meta
 
 VOCAB = 256
 
 
 class ToyChat(Dataset[dict[str, torch.Tensor]]):
-    """Variable-length 'tokenised' samples: the cost is only known after processing."""
+    """Variable-length 'tokenised' chats: the cost is only known after processing.
+    Labels are aligned with input_ids (HF style); the prompt's are masked (-100)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -37,10 +45,12 @@ class ToyChat(Dataset[dict[str, torch.Tensor]]):
         rng = random.Random(i)
         length = max(4, int(rng.lognormvariate(3.5, 0.7)))  # "after templating"
         ids = [rng.randrange(VOCAB)]
-        for _ in range(length):  # a learnable bigram chain
+        for _ in range(length - 1):  # a learnable bigram chain
             ids.append((ids[-1] * 7 + 3) % VOCAB)
-        t = torch.tensor(ids)
-        return {"input_ids": t[:-1], "labels": t[1:]}
+        input_ids = torch.tensor(ids)
+        labels = input_ids.clone()
+        labels[: rng.randrange(1, length)] = -100  # the prompt does not train
+        return {"input_ids": input_ids, "labels": labels}
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -57,13 +67,9 @@ class TinyLM(nn.Module):
         self.emb = nn.Embedding(VOCAB, 32)
         self.head = nn.Linear(32, VOCAB)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.emb(input_ids))
-        # Mean over this rank's real tokens; loss_scale turns it into the global mean.
-        loss: torch.Tensor = nn.functional.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), ignore_index=-100
-        )
-        return loss
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.head(self.emb(input_ids))
+        return logits
 
 
 def main() -> None:
@@ -71,11 +77,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--token-budget", type=int, default=1024)
+    parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DistributedDataParallel(TinyLM())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -85,37 +92,44 @@ def main() -> None:
         ToyChat(args.samples),
         token_budget=args.token_budget,
         collate_fn=collate,
+        grad_accum_steps=args.grad_accum,  # optimizer windows of G aligned steps
         num_workers=args.workers,
         persistent_workers=args.workers > 0,
         shuffle=True,
         seed=0,
     )
-    for epoch in range(args.epochs):
-        loader.set_epoch(epoch)
-        seen = steps = 0
+    for _ in range(args.epochs):  # iterating again starts the next epoch (or: set_epoch)
+        seen = steps = updates = 0
+        window_loss = torch.zeros(())
         last = float("nan")
         for batch in loader:
-            raw = model(**batch)
-            loss = loader.scale_loss(raw)  # pad steps scale to 0
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            info = loader.step_info
-            assert info is not None
-            seen += info.local_samples
+            meta = pop_step_meta(batch)  # this batch's own step, window and counts
+            labels = batch.pop("labels")
+            sync = contextlib.nullcontext() if meta.sync_gradients else model.no_sync()
+            with sync:  # all-reduce only on the backward that closes the window
+                loss = causal_lm_loss(meta, model(**batch), labels)  # 0 on pad steps
+                loss.backward()
+            window_loss += loss.detach()
+            if meta.sync_gradients:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                updates += 1
+                dist.all_reduce(window_loss)  # sum over ranks / W = the window's mean
+                last = window_loss.item() / world
+                window_loss.zero_()
+            seen += meta.local_samples
             steps += 1
-            if not info.is_pad:
-                last = raw.item()
         total = torch.tensor([seen])  # every sample exactly once across ranks
         dist.all_reduce(total)
         if rank == 0:
             print(
-                f"epoch {epoch}: {steps} aligned steps, {int(total)} samples "
-                f"(dataset {args.samples}), rank 0 loss {last:.3f}"
+                f"epoch {loader.epoch}: {steps} aligned steps, {updates} updates, "
+                f"{int(total)} samples (dataset {args.samples}), last window loss {last:.3f}"
             )
     if rank == 0:
         state = loader.state_dict()  # plain data; resume with load_state_dict
-        print(f"done on {dist.get_world_size()} ranks; resumable state at step {state['step']}")
+        print(f"done on {world} ranks; resumable state at step {state['step']}")
+    dist.barrier()  # before teardown: see pytorch#56297
     dist.destroy_process_group()
 
 

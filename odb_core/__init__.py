@@ -32,15 +32,32 @@ from odb_core.protocol import (
 from odb_core.sample import Sample, make_sample
 
 if TYPE_CHECKING:
+    from odb_core.torch import STEP_META_KEY as STEP_META_KEY
     from odb_core.torch import ODBDataLoader as ODBDataLoader
     from odb_core.torch import SampleLoadError as SampleLoadError
+    from odb_core.torch import StepMeta as StepMeta
+    from odb_core.torch import causal_lm_loss as causal_lm_loss
     from odb_core.torch import merge_states as merge_states
+    from odb_core.torch import pop_step_meta as pop_step_meta
     from odb_core.torch import scale_loss as scale_loss
+    from odb_core.torch import scaled_loss as scaled_loss
+    from odb_core.torch import step_meta as step_meta
 
 __version__ = "0.1.0"
 
 # torch-backed names, imported on first use so that `import odb_core` never imports torch.
-_TORCH_EXPORTS = ("ODBDataLoader", "SampleLoadError", "merge_states", "scale_loss")
+_TORCH_EXPORTS = (
+    "STEP_META_KEY",
+    "ODBDataLoader",
+    "SampleLoadError",
+    "StepMeta",
+    "causal_lm_loss",
+    "merge_states",
+    "pop_step_meta",
+    "scale_loss",
+    "scaled_loss",
+    "step_meta",
+)
 
 
 def __getattr__(name: str) -> Any:

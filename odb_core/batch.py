@@ -25,5 +25,10 @@ class Batch(NamedTuple):
     def tokens(self) -> int:
         return sum(s.tokens + s.visual_tokens for s in self.samples)
 
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens whose loss counts, summed over the batch (see Sample.loss)."""
+        return sum(s.loss for s in self.samples)
+
     def __len__(self) -> int:
         return len(self.samples)

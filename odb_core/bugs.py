@@ -118,6 +118,26 @@ class EagerContribute(RankMachine):
         return base
 
 
+class LossByCost(RankMachine):
+    """The vector carries each batch's cost tokens where its loss tokens belong, so
+    masked prompt tokens are counted in the loss normalisation."""
+
+    def _make_contribution(self) -> Contribution:
+        c = super()._make_contribution()
+        return c._replace(loss_tokens=c.tokens)
+
+
+class WindowByLocal(RankMachine):
+    """An optimizer window closes when this rank's own loss tokens reach the target,
+    not the window's global ones: ranks step their optimizers at different steps."""
+
+    def _window_closes(self) -> bool:
+        target = self.config.tokens_per_update
+        if target is None:
+            return super()._window_closes()
+        return self.window_local >= target
+
+
 class BugVariant(enum.Enum):
     SILENT_STOP = "silent-stop"
     NO_PADS = "no-pads"
@@ -127,6 +147,8 @@ class BugVariant(enum.Enum):
     QUOTA_FORGETS_LEDGER = "quota-forgets-ledger"
     IGNORE_BUDGET = "ignore-budget"
     EAGER_CONTRIBUTE = "eager-contribute"
+    LOSS_BY_COST = "loss-by-cost"
+    WINDOW_BY_LOCAL = "window-by-local"
 
     @property
     def machine(self) -> type[RankMachine]:
@@ -150,8 +172,12 @@ class BugVariant(enum.Enum):
             buffer_size=buffer,
             mode=self.mode,
             max_steps_per_round=2,
+            tokens_per_update=_TOKENS_PER_UPDATE.get(self),
         )
-        return ModelConfig(protocol, round_robin_shards(costs, world), machine=self.machine)
+        # Loss tokens below the cost (a masked first token, as causal LM labels have),
+        # so counting the cost instead shows.
+        loss = [max(c - 1, 0) for c in costs]
+        return ModelConfig(protocol, round_robin_shards(costs, world, loss), machine=self.machine)
 
 
 # A pad next to a real batch in one round needs a rank that ends with fewer
@@ -159,8 +185,13 @@ class BugVariant(enum.Enum):
 # costs 3,1 (one batch).
 _SMALL_MODEL: dict[BugVariant, tuple[tuple[int, ...], int, int]] = {
     BugVariant.PAD_REPEATS_BATCH: ((3, 3, 3, 1), 2, 3),
+    # Rank 0's samples carry a loss token each, rank 1's none: by local counts only
+    # rank 0 ever closes a window.
+    BugVariant.WINDOW_BY_LOCAL: ((2, 1, 2, 1, 2, 1), 2, 1),
 }
 
+
+_TOKENS_PER_UPDATE: dict[BugVariant, int] = {BugVariant.WINDOW_BY_LOCAL: 2}
 
 _MACHINES: dict[BugVariant, type[RankMachine]] = {
     BugVariant.SILENT_STOP: SilentStop,
@@ -171,6 +202,8 @@ _MACHINES: dict[BugVariant, type[RankMachine]] = {
     BugVariant.QUOTA_FORGETS_LEDGER: QuotaForgetsLedger,
     BugVariant.IGNORE_BUDGET: IgnoreBudget,
     BugVariant.EAGER_CONTRIBUTE: EagerContribute,
+    BugVariant.LOSS_BY_COST: LossByCost,
+    BugVariant.WINDOW_BY_LOCAL: WindowByLocal,
 }
 
 _VIOLATES: dict[BugVariant, str] = {
@@ -182,4 +215,6 @@ _VIOLATES: dict[BugVariant, str] = {
     BugVariant.QUOTA_FORGETS_LEDGER: "QuotaClosure",
     BugVariant.IGNORE_BUDGET: "BudgetSafety",
     BugVariant.EAGER_CONTRIBUTE: "BoundedTermination",
+    BugVariant.LOSS_BY_COST: "ExactLossScaling",
+    BugVariant.WINDOW_BY_LOCAL: "WindowAlignment",
 }

@@ -31,10 +31,22 @@ class OversizePolicy(enum.Enum):
 
 
 class LossNormalization(enum.Enum):
-    """The global denominator `StepInfo.loss_scale` normalises by."""
+    """The global denominator `StepInfo.loss_scale` normalises by: the loss tokens
+    (labels not masked) or the real samples of the step's optimizer window, over
+    every rank."""
 
     TOKENS = "tokens"
     SAMPLES = "samples"
+
+
+class WindowRule(enum.Enum):
+    """How an optimizer (gradient-accumulation) window closes; see `ProtocolConfig`."""
+
+    STEPS = "steps"
+    """After `grad_accum_steps` aligned steps (1 by default: every step)."""
+    TOKENS = "tokens"
+    """At the first step at which the window's global loss tokens reach
+    `tokens_per_update`."""
 
 
 E = TypeVar("E", bound=enum.Enum)
@@ -63,7 +75,14 @@ class ProtocolConfig:
 
     `buffer_size` is the window K a rank fills before forming batches;
     `max_steps_per_round` (M) caps the steps agreed per collective and so the
-    size of the all-gathered vector (2 + 2M integers).
+    size of the all-gathered vector (2 + 3M integers).
+
+    Optimizer windows (gradient accumulation): `grad_accum_steps=G` closes a
+    window every G aligned steps, `tokens_per_update=T` at the first step at which
+    the window's global loss tokens reach T; at most one of the two, and with
+    neither every step is its own window. The last window of an epoch closes with
+    the epoch, however short. Every rank derives the same boundaries from the
+    rounds' all-gathers, and a step's loss scale normalises by its whole window.
     """
 
     world_size: int
@@ -77,6 +96,8 @@ class ProtocolConfig:
     quota: int | None = None
     deterministic: bool = False
     loss_normalization: LossNormalization = LossNormalization.TOKENS
+    grad_accum_steps: int | None = None
+    tokens_per_update: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
@@ -102,6 +123,24 @@ class ProtocolConfig:
                 raise ConfigError(f"quota={self.quota!r} is only meaningful with mode='quota'")
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"deterministic={self.deterministic!r} must be a bool")
+        if self.grad_accum_steps is not None and self.tokens_per_update is not None:
+            raise ConfigError(
+                f"grad_accum_steps={self.grad_accum_steps!r} and tokens_per_update="
+                f"{self.tokens_per_update!r} both close optimizer windows; give one of them"
+            )
+        if self.grad_accum_steps is not None:
+            _positive_int("grad_accum_steps", self.grad_accum_steps)
+        if self.tokens_per_update is not None:
+            _positive_int("tokens_per_update", self.tokens_per_update)
+
+    @property
+    def window_rule(self) -> WindowRule:
+        return WindowRule.STEPS if self.tokens_per_update is None else WindowRule.TOKENS
+
+    @property
+    def accum_steps(self) -> int:
+        """Steps per window under the STEPS rule (1 when not set)."""
+        return 1 if self.grad_accum_steps is None else self.grad_accum_steps
 
     def describe(self) -> dict[str, Any]:
         """Plain-data summary, used in reports and to fingerprint resumable state."""
@@ -119,4 +158,6 @@ class ProtocolConfig:
             "quota": self.quota,
             "deterministic": self.deterministic,
             "loss_normalization": self.loss_normalization.value,
+            "grad_accum_steps": self.grad_accum_steps,
+            "tokens_per_update": self.tokens_per_update,
         }

@@ -41,6 +41,9 @@ VARIABLES = (
     "round",
     "emitted",
     "contribution",
+    "window_loss",
+    "window_local",
+    "windows",
     "pending",
     "inbox",
     "delivered",
@@ -48,7 +51,8 @@ VARIABLES = (
 )
 
 Canon = tuple[Hashable, ...]
-ContribCanon = tuple[int, bool, tuple[int, ...], tuple[int, ...]] | None
+ContribCanon = tuple[int, bool, tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None
+WindowCanon = tuple[tuple[int, int, int], ...]
 
 _NODE = re.compile(r'^(-?\d+) \[label="((?:[^"\\]|\\.)*)"')
 _EDGE = re.compile(r'^(-?\d+) -> (-?\d+) \[label="((?:[^"\\]|\\.)*)"')
@@ -95,7 +99,12 @@ def _tlc_contribution(c: Any) -> ContribCanon:
         bool(c["final"]),
         tuple(_per_key(c["samples"])),
         tuple(_per_key(c["tokens"])),
+        tuple(_per_key(c["loss_tokens"])),
     )
+
+
+def _tlc_windows(ws: Any) -> WindowCanon:
+    return tuple((int(w["end"]), int(w["loss"]), int(w["local"])) for w in _per_key(ws))
 
 
 def canonical_tlc(state: Mapping[str, Any]) -> Canon:
@@ -114,6 +123,9 @@ def canonical_tlc(state: Mapping[str, Any]) -> Canon:
         tuple(_per_key(state["round"])),
         tuple(_per_key(state["emitted"])),
         tuple(_tlc_contribution(c) for c in _per_key(state["contribution"])),
+        tuple(_per_key(state["window_loss"])),
+        tuple(_per_key(state["window_local"])),
+        tuple(_tlc_windows(ws) for ws in _per_key(state["windows"])),
         tuple(frozenset(p) for p in _per_key(state["pending"])),
         inbox,
         tuple(_per_key(state["delivered"])),
@@ -124,7 +136,7 @@ def canonical_tlc(state: Mapping[str, Any]) -> Canon:
 def _py_contribution(c: Contribution | None) -> ContribCanon:
     if c is None:
         return None
-    return (c.offered, c.final, tuple(c.samples), tuple(c.tokens))
+    return (c.offered, c.final, tuple(c.samples), tuple(c.tokens), tuple(c.loss_tokens))
 
 
 def canonical_python(state: GlobalState) -> Canon:
@@ -140,6 +152,9 @@ def canonical_python(state: GlobalState) -> Canon:
         tuple(r.round for r in rs),
         tuple(r.emitted for r in rs),
         tuple(_py_contribution(r.contribution) for r in rs),
+        tuple(r.window_loss for r in rs),
+        tuple(r.window_local for r in rs),
+        tuple(tuple((w.end, w.loss, w.local) for w in r.windows) for r in rs),
         tuple(frozenset(p) for p in state.pending),
         tuple(None if i is None else tuple(_py_contribution(c) for c in i) for i in state.inbox),
         tuple(state.delivered),

@@ -152,6 +152,62 @@ def termination_agreement(state: GlobalState, cfg: ModelConfig) -> str | None:
     return None
 
 
+def exact_loss_scaling(state: GlobalState, cfg: ModelConfig) -> str | None:
+    """While a vector is in flight it describes the head of the rank's queue
+    (samples, cost tokens, loss tokens), and every rank got what each rank sent;
+    so a step's global counts are the sums of the ranks' local ones."""
+    for r, rs in enumerate(state.ranks):
+        c = rs.contribution
+        if c is not None:
+            head = rs.ready[: c.offered]
+            if c.offered > len(rs.ready) or (
+                c.samples != tuple(len(b.samples) for b in head)
+                or c.tokens != tuple(b.tokens for b in head)
+                or c.loss_tokens != tuple(b.loss_tokens for b in head)
+            ):
+                return f"rank {r} offered {c} but its queue head is {[b.ids for b in head]}"
+        inbox = state.inbox[r]
+        if inbox is not None and inbox[r] != c:
+            return f"rank {r} received {inbox[r]} as its own vector but sent {c}"
+    return None
+
+
+def window_alignment(state: GlobalState, cfg: ModelConfig) -> str | None:
+    """Ranks that completed the same rounds closed the same optimizer windows at the
+    same steps with the same global loss tokens, and hold the same open window;
+    each window's local loss tokens add up over the ranks to its global count (so
+    the window's loss scales sum to exactly the global per-token mean); and each
+    window closed by its rule (the last one of an epoch may be short)."""
+    p = cfg.protocol
+    by_round: dict[int, tuple[object, ...]] = {}
+    for r, rs in enumerate(state.ranks):
+        view = (tuple((w.end, w.loss) for w in rs.windows), rs.window_loss)
+        if by_round.setdefault(rs.round, view) != view:
+            return f"rank {r} disagrees on the windows after round {rs.round}: {view}"
+        for i, w in enumerate(rs.windows):
+            start = rs.windows[i - 1].end if i else 0
+            last = i == len(rs.windows) - 1 and rs.phase is RankPhase.DONE
+            if w.end <= start:
+                return f"rank {r} closed an empty window {i}"
+            if last:
+                continue
+            if p.tokens_per_update is None and w.end - start != p.accum_steps:
+                return f"rank {r} window {i} ran {w.end - start} steps, not {p.accum_steps}"
+            if p.tokens_per_update is not None and w.loss < p.tokens_per_update:
+                return f"rank {r} window {i} closed at {w.loss} < {p.tokens_per_update} tokens"
+    rounds = {rs.round for rs in state.ranks}
+    if len(rounds) == 1:
+        first = state.ranks[0]
+        for i, w in enumerate(first.windows):
+            local = sum(rs.windows[i].local for rs in state.ranks)
+            if local != w.loss:
+                return f"window {i}: ranks' loss tokens add up to {local}, not {w.loss}"
+        local = sum(rs.window_local for rs in state.ranks)
+        if local != first.window_loss:
+            return f"open window: ranks' loss tokens add up to {local}, not {first.window_loss}"
+    return None
+
+
 INVARIANTS: dict[str, Check] = {
     "TypeOK": type_ok,
     "StepAlignment": step_alignment,
@@ -163,6 +219,8 @@ INVARIANTS: dict[str, Check] = {
     "BudgetSafety": budget_safety,
     "BoundedTermination": bounded_termination,
     "TerminationAgreement": termination_agreement,
+    "ExactLossScaling": exact_loss_scaling,
+    "WindowAlignment": window_alignment,
 }
 """Safety invariants checked on every reachable state. DeadlockFreedom and
 Termination are properties of the state graph and are checked by the checker."""

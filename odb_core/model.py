@@ -103,12 +103,21 @@ class ModelConfig:
         return cache
 
 
-def round_robin_shards(costs: Sequence[int], world_size: int) -> tuple[tuple[Sample, ...], ...]:
-    """Sample i (cost costs[i]) goes to rank i mod W, like a non-padding DistributedSampler."""
+def round_robin_shards(
+    costs: Sequence[int], world_size: int, loss: Sequence[int] | None = None
+) -> tuple[tuple[Sample, ...], ...]:
+    """Sample i (cost costs[i], loss tokens loss[i], default all its tokens) goes to
+    rank i mod W, like a non-padding DistributedSampler."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size={world_size!r} must be an integer >= 1")
+    if loss is not None and len(loss) != len(costs):
+        raise ConfigError(f"{len(loss)} loss-token counts for {len(costs)} samples")
     return tuple(
-        tuple(Sample(i, c) for i, c in enumerate(costs) if i % world_size == r)
+        tuple(
+            Sample(i, c, loss_tokens=None if loss is None else loss[i])
+            for i, c in enumerate(costs)
+            if i % world_size == r
+        )
         for r in range(world_size)
     )
 

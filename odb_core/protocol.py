@@ -25,6 +25,7 @@ reduces with the same pure `decide_round`.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -70,31 +71,50 @@ class Contribution(NamedTuple):
 
     `offered`: steps this rank can fill with real batches (<= M).
     `final`: the rank's source is dry and the offered batches are all it has.
-    `samples[t]`, `tokens[t]`: size of the t-th offered batch, for exact global
-    loss normalisation without a second collective.
+    `samples[t]`, `tokens[t]`, `loss_tokens[t]`: size of the t-th offered batch
+    (real samples, cost tokens, tokens whose loss counts), for exact global loss
+    normalisation and window boundaries without a second collective.
     """
 
     offered: int
     final: bool
     samples: tuple[int, ...]
     tokens: tuple[int, ...]
+    loss_tokens: tuple[int, ...]
 
     def to_vector(self, max_steps: int) -> list[int]:
         pad = [0] * (max_steps - self.offered)
-        return [self.offered, int(self.final), *self.samples, *pad, *self.tokens, *pad]
+        return [
+            self.offered,
+            int(self.final),
+            *self.samples,
+            *pad,
+            *self.tokens,
+            *pad,
+            *self.loss_tokens,
+            *pad,
+        ]
+
+    @staticmethod
+    def vector_length(max_steps: int) -> int:
+        return 2 + 3 * max_steps
 
     @staticmethod
     def from_vector(vector: Sequence[int], max_steps: int) -> Contribution:
-        if len(vector) != 2 + 2 * max_steps:
+        if len(vector) != Contribution.vector_length(max_steps):
             raise ODBPeerError(
-                f"all-gather vector of length {len(vector)}, expected {2 + 2 * max_steps}"
+                f"all-gather vector of length {len(vector)}, expected "
+                f"{Contribution.vector_length(max_steps)}"
             )
         offered, final = int(vector[0]), int(vector[1])
         if not 0 <= offered <= max_steps or final not in (0, 1):
             raise ODBPeerError(f"malformed all-gather vector {list(vector)!r}")
-        samples = tuple(int(x) for x in vector[2 : 2 + offered])
-        tokens = tuple(int(x) for x in vector[2 + max_steps : 2 + max_steps + offered])
-        return Contribution(offered, bool(final), samples, tokens)
+
+        def column(j: int) -> tuple[int, ...]:
+            start = 2 + j * max_steps
+            return tuple(int(x) for x in vector[start : start + offered])
+
+        return Contribution(offered, bool(final), column(0), column(1), column(2))
 
 
 class RoundDecision(NamedTuple):
@@ -104,6 +124,7 @@ class RoundDecision(NamedTuple):
     done: bool
     global_samples: tuple[int, ...]
     global_tokens: tuple[int, ...]
+    global_loss_tokens: tuple[int, ...]
 
 
 def decide_round(
@@ -135,20 +156,42 @@ def decide_round(
         done = any(c.final and c.offered == k for c in contributions)
     gs = tuple(sum(c.samples[t] for c in contributions if t < c.offered) for t in range(k))
     gt = tuple(sum(c.tokens[t] for c in contributions if t < c.offered) for t in range(k))
+    gl = tuple(sum(c.loss_tokens[t] for c in contributions if t < c.offered) for t in range(k))
     if mode is Mode.QUOTA and quota is not None:
         total = emitted_before
         for t in range(k):
             total += gs[t]
             if total >= quota:
                 k, done = t + 1, True
-                gs, gt = gs[:k], gt[:k]
+                gs, gt, gl = gs[:k], gt[:k], gl[:k]
                 break
-    return RoundDecision(k, done, gs, gt)
+    return RoundDecision(k, done, gs, gt, gl)
 
 
 @dataclass(frozen=True)
 class StepInfo:
-    """Everything a training step needs to know about the batch just yielded."""
+    """Everything a training step needs to know about the batch just yielded.
+
+    Counts are `local` (this rank's batch) and `global` (all ranks at this step):
+    real samples, cost tokens (what the budget bounds) and loss tokens (the
+    tokens whose loss counts). `window` numbers the optimizer window the step
+    belongs to; `sync_gradients` is True on the window's last step (step the
+    optimizer after its backward); `window_samples` and `window_loss_tokens` are
+    the window's global totals, which `loss_scale` normalises by:
+
+        loss_scale = W * local_loss_tokens / window_loss_tokens   (tokens)
+        loss_scale = W * local_samples / window_samples           (samples)
+
+    and 0 when either count is 0 (a pad step, a step of fully masked labels, or a
+    window without a single loss token). A rank's mean loss over its batch times
+    `loss_scale`, summed over the window's steps and averaged over the W ranks by
+    DDP/FSDP, is exactly the global per-token (per-sample) mean over the window.
+
+    The window fields are final only once the window has closed: `RankMachine`
+    emits steps as they are decided, with `loss_scale` NaN and window totals 0,
+    and `WindowBuffer` releases them, final, when their window closes. Everything
+    a training loop sees (the loader, `loader.step_info`) is final.
+    """
 
     step: int
     rank: int
@@ -159,18 +202,41 @@ class StepInfo:
     global_samples: int
     local_tokens: int
     global_tokens: int
-    loss_scale: float
+    local_loss_tokens: int = 0
+    global_loss_tokens: int = 0
+    window: int = 0
+    sync_gradients: bool = True
+    window_samples: int = 0
+    window_loss_tokens: int = 0
+    loss_scale: float = math.nan
     truncated: tuple[tuple[int, int], ...] = ()
 
     @property
     def sample_ids(self) -> tuple[int, ...]:
         return () if self.batch is None else self.batch.ids
 
+    @property
+    def final(self) -> bool:
+        """The window fields and the loss scale are known (the window has closed)."""
+        return not math.isnan(self.loss_scale)
+
 
 class RoundResult(NamedTuple):
+    """`steps`: the round's decided steps, in order, with provisional window fields
+    (see StepInfo; `WindowBuffer` finalises them). `done`: the epoch closed."""
+
     steps: tuple[StepInfo, ...]
     done: bool
     carried: tuple[Sample, ...]
+
+
+class WindowRecord(NamedTuple):
+    """A closed optimizer window as one rank saw it: the step count at its end, its
+    global loss tokens, and this rank's loss tokens in it (spec: `windows`)."""
+
+    end: int
+    loss: int
+    local: int
 
 
 class RankSnapshot(NamedTuple):
@@ -185,17 +251,27 @@ class RankSnapshot(NamedTuple):
     round: int
     emitted: int
     contribution: Contribution | None
+    window_loss: int
+    window_local: int
+    windows: tuple[WindowRecord, ...]
 
 
-def _loss_scale(
-    norm: LossNormalization, world: int, local: tuple[int, int], global_: tuple[int, int]
+def loss_scale(
+    norm: LossNormalization,
+    world: int,
+    local: tuple[int, int],
+    window: tuple[int, int],
 ) -> float:
-    # DDP/FSDP average gradients over W ranks, so a local mean loss times
-    # W * local / global yields exactly the global per-token (or per-sample) mean.
+    """W * local / window for (samples, loss tokens) pairs, by `norm`; 0 if either is 0.
+
+    DDP/FSDP average gradients over W ranks, so a local mean loss times this,
+    summed over the window's steps, is exactly the global per-token (or
+    per-sample) mean over the window.
+    """
     idx = 1 if norm is LossNormalization.TOKENS else 0
-    if global_[idx] == 0 or local[idx] == 0:
+    if window[idx] == 0 or local[idx] == 0:
         return 0.0
-    return world * local[idx] / global_[idx]
+    return world * local[idx] / window[idx]
 
 
 class RankMachine:
@@ -214,6 +290,10 @@ class RankMachine:
         self.pads = 0
         self.round = 0
         self.emitted = 0  # global real samples emitted so far this epoch (same on all ranks)
+        # The open optimizer window: its global and this rank's loss tokens so far.
+        self.window_loss = 0
+        self.window_local = 0
+        self.windows: tuple[WindowRecord, ...] = ()  # closed windows, in order
         self._seen: set[int] = set()
         self._truncated: dict[int, int] = {}
         self._contribution: Contribution | None = None
@@ -350,6 +430,9 @@ class RankMachine:
             self.round,
             self.emitted,
             self._contribution,
+            self.window_loss,
+            self.window_local,
+            self.windows,
         )
 
     @classmethod
@@ -361,6 +444,7 @@ class RankMachine:
         m.buffer = {s.id: s for s in snap.buffer}
         m.ready = deque(snap.ready)
         m.steps, m.pads, m.round, m.emitted = snap.steps, snap.pads, snap.round, snap.emitted
+        m.window_loss, m.window_local, m.windows = snap.window_loss, snap.window_local, snap.windows
         m._seen = set(m.buffer) | {s.id for b in m.ready for s in b.samples}
         m._contribution = snap.contribution
         return m
@@ -377,41 +461,69 @@ class RankMachine:
             final,
             tuple(len(b.samples) for b in head),
             tuple(b.tokens for b in head),
+            tuple(b.loss_tokens for b in head),
         )
+
+    @property
+    def window_steps(self) -> int:
+        """Steps decided in the open optimizer window."""
+        return self.steps - (self.windows[-1].end if self.windows else 0)
+
+    def _window_closes(self) -> bool:
+        """Whether the open window closes at the step just added (every rank agrees:
+        the rule reads only global counts and the step count)."""
+        if self.config.tokens_per_update is not None:
+            return self.window_loss >= self.config.tokens_per_update
+        return self.window_steps >= self.config.accum_steps
+
+    def _close_window(self) -> None:
+        self.windows = (
+            *self.windows,
+            WindowRecord(self.steps, self.window_loss, self.window_local),
+        )
+        self.window_loss = self.window_local = 0
 
     def _emit(self, decision: RoundDecision) -> tuple[StepInfo, ...]:
         out = []
-        norm = self.config.loss_normalization
-        world = self.config.world_size
         for t in range(decision.steps):
-            glob = (decision.global_samples[t], decision.global_tokens[t])
             if self.ready:
                 batch: Batch | None = self.ready.popleft()
                 assert batch is not None
-                local = (len(batch.samples), batch.tokens)
+                local = (len(batch.samples), batch.tokens, batch.loss_tokens)
                 truncated = tuple(
                     (s.id, s.tokens) for s in batch.samples if s.id in self._truncated
                 )
             else:
-                batch, local, truncated = None, (0, 0), ()
+                batch, local, truncated = None, (0, 0, 0), ()
                 self.pads += 1
+            window = len(self.windows)
+            self.steps += 1
+            self.emitted += decision.global_samples[t]
+            self.window_loss += decision.global_loss_tokens[t]
+            self.window_local += local[2]
+            closes = self._window_closes() or (decision.done and t == decision.steps - 1)
+            if closes:
+                self._close_window()
             out.append(
                 StepInfo(
-                    step=self.steps,
+                    step=self.steps - 1,
                     rank=self.rank,
                     round=self.round,
                     is_pad=batch is None,
                     batch=batch,
                     local_samples=local[0],
-                    global_samples=glob[0],
+                    global_samples=decision.global_samples[t],
                     local_tokens=local[1],
-                    global_tokens=glob[1],
-                    loss_scale=_loss_scale(norm, world, local, glob),
+                    global_tokens=decision.global_tokens[t],
+                    local_loss_tokens=local[2],
+                    global_loss_tokens=decision.global_loss_tokens[t],
+                    window=window,
+                    sync_gradients=closes,
                     truncated=truncated,
                 )
             )
-            self.steps += 1
-            self.emitted += glob[0]
+        if decision.done and self.window_steps > 0:
+            self._close_window()  # an open window ends with the epoch (a 0-step last round)
         return tuple(out)
 
     def _close(self) -> tuple[Sample, ...]:
@@ -437,7 +549,10 @@ class RankMachine:
             kept = _truncated_tokens(s, self.config)
             if kept is not None:
                 self._truncated[s.id] = s.tokens
-                return s._replace(tokens=kept)
+                # An adapter that knows the labels measures loss_tokens after the cut;
+                # without labels every kept text token counts.
+                loss = None if s.loss_tokens is None else min(s.loss_tokens, kept)
+                return s._replace(tokens=kept, loss_tokens=loss)
             raise OversizeSampleError(
                 f"rank {self.rank}: sample {s.id!r} (tokens={s.tokens}, visual_tokens="
                 f"{s.visual_tokens}, patches={s.patches}) exceeds budget "

@@ -14,6 +14,14 @@ rank, base_done) minus its own `done`, so a local record resumes its own rank at
 the same world size, and a global record resumes any world size: every id of the
 epoch is emitted exactly once across the checkpoint.
 
+The protocol run that emits an incarnation's steps began at step `start_step`
+(with `start_emitted` global samples emitted and `start_window` optimizer
+windows closed before it): 0 at the start of an epoch, the saved step after a
+merged (any world size) or non-deterministic resume. A deterministic loader
+resumes a local record exactly by replaying that run from its start; `window`
+is the window index the next step opens when a fresh run starts at `step`.
+Every one of these is the same on every rank.
+
 `carry` (quota mode, see `odb_core.ledger`) is the pending per-rank ledger, the
 same on every rank: while the epoch runs, the ledger it started with (part of its
 plan, re-dealt less `base_done` in a new incarnation); once it has closed, its
@@ -29,7 +37,8 @@ from typing import Any
 from odb_core.errors import ConfigError
 from odb_core.ledger import Ledgers, validate_ledgers
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+# 2: optimizer windows and exact resume (window, start_step, start_emitted, start_window).
 _FORMAT = "odb_core.epoch_progress"
 
 
@@ -65,6 +74,10 @@ class EpochProgress:
     rank: int | None = None
     done: frozenset[int] = frozenset()
     carry: Ledgers = ()
+    window: int = 0
+    start_step: int = 0
+    start_emitted: int = 0
+    start_window: int = 0
 
     @property
     def is_global(self) -> bool:
@@ -104,6 +117,10 @@ class EpochProgress:
             "rank": self.rank,
             "done": sorted(self.done),
             "carry": [list(part) for part in self.carry],
+            "window": self.window,
+            "start_step": self.start_step,
+            "start_emitted": self.start_emitted,
+            "start_window": self.start_window,
         }
 
     @staticmethod
@@ -113,8 +130,15 @@ class EpochProgress:
                 f"not an ODBDataLoader state (expected format {_FORMAT!r}): {_preview(d)}"
             )
         if d.get("version") != STATE_VERSION:
+            older = isinstance(d.get("version"), int) and d["version"] < STATE_VERSION
             raise ConfigError(
                 f"loader state version {d.get('version')!r}, expected {STATE_VERSION}"
+                + (
+                    ": it was saved by an older odb-core, before optimizer windows and exact "
+                    "resume, and cannot be resumed by this one (restart the epoch)"
+                    if older
+                    else ""
+                )
             )
         try:
             world, rank = d["world_size"], d["rank"]
@@ -129,6 +153,10 @@ class EpochProgress:
                 rank=None if rank is None else _int(d, "rank"),
                 done=_ids(d, "done"),
                 carry=validate_ledgers(d.get("carry", ())),
+                window=_int(d, "window"),
+                start_step=_int(d, "start_step"),
+                start_emitted=_int(d, "start_emitted"),
+                start_window=_int(d, "start_window"),
             )
         except KeyError as exc:
             raise ConfigError(f"loader state is missing the field {exc.args[0]!r}") from None
@@ -155,7 +183,18 @@ def merge(states: Iterable[EpochProgress]) -> EpochProgress:
         diff = fingerprint_mismatch(first.fingerprint, p.fingerprint)
         if diff:
             raise ConfigError(f"rank {p.rank} state is from another config: " + "; ".join(diff))
-        for name in ("epoch", "step", "emitted", "closed", "base_done", "carry"):
+        for name in (
+            "epoch",
+            "step",
+            "emitted",
+            "closed",
+            "base_done",
+            "carry",
+            "window",
+            "start_step",
+            "start_emitted",
+            "start_window",
+        ):
             if getattr(p, name) != getattr(first, name):
                 raise ConfigError(
                     f"rank {p.rank} state has {name}={_preview(getattr(p, name))} but rank "
@@ -168,6 +207,7 @@ def merge(states: Iterable[EpochProgress]) -> EpochProgress:
         if clash:
             raise ConfigError(f"ids {sorted(clash)[:10]} are done on two ranks; states corrupt")
         done |= p.done
+    # The merged record starts a new protocol run at the saved step.
     return EpochProgress(
         first.fingerprint,
         first.epoch,
@@ -176,6 +216,10 @@ def merge(states: Iterable[EpochProgress]) -> EpochProgress:
         first.closed,
         frozenset(done),
         carry=first.carry,
+        window=first.window,
+        start_step=first.step,
+        start_emitted=first.emitted,
+        start_window=first.window,
     )
 
 

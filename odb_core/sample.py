@@ -14,12 +14,22 @@ class Sample(NamedTuple):
     `tokens` are text tokens, `visual_tokens` the tokens images or video add after
     expansion, `patches` the visual patches (for a per-batch patch cap). All are
     observed after preprocessing, so no length cache is needed.
+
+    `loss_tokens` are the tokens whose loss counts (labels not masked), which the
+    loss normalisation divides by; the budget never sees them. None means every
+    text token counts (a sample without labels); `loss` resolves it.
     """
 
     id: int
     tokens: int
     visual_tokens: int = 0
     patches: int = 0
+    loss_tokens: int | None = None
+
+    @property
+    def loss(self) -> int:
+        """Tokens whose loss counts: `loss_tokens`, or the text tokens when unset."""
+        return self.tokens if self.loss_tokens is None else self.loss_tokens
 
     @property
     def length(self) -> int:
@@ -38,7 +48,11 @@ def _check_count(sample_id: object, field: str, value: object) -> int:
 
 
 def make_sample(
-    sample_id: object, tokens: object, visual_tokens: object = 0, patches: object = 0
+    sample_id: object,
+    tokens: object,
+    visual_tokens: object = 0,
+    patches: object = 0,
+    loss_tokens: object = None,
 ) -> Sample:
     """Validate and build a Sample; raises SampleError naming the bad value.
 
@@ -59,6 +73,9 @@ def make_sample(
         _check_count(sample_id, "tokens", _as_number(tokens)),
         _check_count(sample_id, "visual_tokens", _as_number(visual_tokens)),
         _check_count(sample_id, "patches", _as_number(patches)),
+        None
+        if loss_tokens is None
+        else _check_count(sample_id, "loss_tokens", _as_number(loss_tokens)),
     )
 
 

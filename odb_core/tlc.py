@@ -59,7 +59,7 @@ EXIT_LIVENESS = 13
 EXIT_SPEC_PARSE = 150
 EXIT_UNEXPECTED = 255  # also what a .cfg TLC cannot parse gives
 
-#: Invariants of DGAP.tla, in the order the models check them. The first ten
+#: Invariants of DGAP.tla, in the order the models check them. The first twelve
 #: are odb_core.invariants.INVARIANTS, by name.
 SPEC_INVARIANTS = (
     "TypeOK",
@@ -73,6 +73,7 @@ SPEC_INVARIANTS = (
     "BoundedTermination",
     "TerminationAgreement",
     "ExactLossScaling",
+    "WindowAlignment",
     "PadsOnlyAtEnd",
     "DeterministicArrival",
 )
@@ -221,11 +222,14 @@ def spec_constants(cfg: ModelConfig) -> SpecConstants:
         "Mode": _tla(p.mode.value),
         "Quota": str(p.quota or 0),
         "Deterministic": _tla(p.deterministic),
+        "AccumSteps": str(p.accum_steps),
+        "TokensPerUpdate": str(p.tokens_per_update or 0),
         "NoValue": "NoValue",
     }
     definitions = {
         "Shard": _function([_tla({s.id for s in shard}) for shard in cfg.shards]),
         "SampleLen": _function([str(s.length) for s in samples]),
+        "SampleLoss": _function([str(s.loss) for s in samples]),
         "SamplePatches": _function([str(s.patches) for s in samples]),
     }
     return SpecConstants(scalars, definitions)
@@ -556,7 +560,8 @@ class TLCResult:
 
 _VAR_ORDER = (
     *("phase", "exhausted", "buffer", "ready", "steps", "pads", "round", "emitted"),
-    *("contribution", "pending", "inbox", "delivered", "ledger", "pc"),
+    *("contribution", "window_loss", "window_local", "windows"),
+    *("pending", "inbox", "delivered", "ledger", "pc"),
 )
 
 
@@ -731,7 +736,13 @@ def run_tlc(
     """Run TLC on module `name` in a scratch directory holding the spec modules and
     `files` (file name -> text). `deadlock=False` passes `-deadlock` (no deadlock
     check). With `dump_dot`, the state graph is kept at `result.dot_path`, which
-    lives under `keep_dir` (a fresh temporary directory if None, not removed)."""
+    lives under `keep_dir` (a fresh temporary directory if None, not removed).
+
+    Liveness is checked once, on the complete state graph (`-lncheck final`):
+    by default TLC checks it on a timer while it explores, so how far it got
+    before a liveness violation stops it, and hence the states it reports,
+    depended on the machine's load. With `final` every count is a function of
+    the model alone."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers={workers!r} must be an integer >= 1")
     java, jar = find_java(), find_jar()
@@ -747,6 +758,7 @@ def run_tlc(
         cmd.append(f"-Xmx{heap}")
     cmd += [*java_opts, "-cp", str(jar), "tlc2.TLC"]
     cmd += ["-workers", str(workers), "-metadir", str(meta), "-nowarning"]
+    cmd += ["-lncheck", "final"]
     if not deadlock:
         cmd.append("-deadlock")
     dot = work / "states"
@@ -801,6 +813,9 @@ class ManifestModel:
     expect: dict[str, Any]
     about: str
     generated: bool = True  # False: hand-written MC files (the inductive checks)
+    loss: tuple[int, ...] | None = None  # per-sample loss tokens; None: all tokens count
+    grad_accum_steps: int | None = None
+    tokens_per_update: int | None = None
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ManifestModel:
@@ -828,6 +843,9 @@ class ManifestModel:
             expect=dict(d["expect"]),
             about=str(d.get("about", "")),
             generated=bool(d.get("generated", True)),
+            loss=None if m.get("loss") is None else tuple(int(x) for x in m["loss"]),
+            grad_accum_steps=m.get("grad_accum_steps"),
+            tokens_per_update=m.get("tokens_per_update"),
         )
 
     def model_config(self, machine: type[RankMachine] = RankMachine) -> ModelConfig:
@@ -844,10 +862,11 @@ class ManifestModel:
             quota=self.quota,
             deterministic=self.deterministic,
             oversize=OversizePolicy.SOLO,
+            grad_accum_steps=self.grad_accum_steps,
+            tokens_per_update=self.tokens_per_update,
         )
-        return ModelConfig(
-            protocol, round_robin_shards(self.costs, self.world_size), machine=machine
-        )
+        shards = round_robin_shards(self.costs, self.world_size, self.loss)
+        return ModelConfig(protocol, shards, machine=machine)
 
     def render(self) -> tuple[str, str]:
         note = "spec/manifest.json" + (f": {self.about}" if self.about else "")
@@ -940,24 +959,36 @@ def run_manifest(
 
 TRACE_MODULE = "TraceDGAP"
 
-_TRACE_DEFS = r"""NoVec == [offered |-> 0, final |-> FALSE, samples |-> <<>>, tokens |-> <<>>]
-Ev(a, r, i, c, s, d) == [a |-> a, r |-> r, i |-> i, c |-> c, s |-> s, d |-> d]
-Obs(r, i) == Ev("Observe", r, i, NoVec, <<>>, FALSE)
-Exh(r) == Ev("Exhaust", r, 0, NoVec, <<>>, FALSE)
-Frm(r) == Ev("Form", r, 0, NoVec, <<>>, FALSE)
-Con(r, o, f, s, t) ==
-    Ev("Contribute", r, 0, [offered |-> o, final |-> f, samples |-> s, tokens |-> t], <<>>, FALSE)
-Gat == Ev("AllGather", 0, 0, NoVec, <<>>, FALSE)
-Rcv(r, s, d) == Ev("Receive", r, 0, NoVec, s, d)
+_TRACE_DEFS = r"""NoVec == [offered |-> 0, final |-> FALSE, samples |-> <<>>, tokens |-> <<>>,
+          loss_tokens |-> <<>>]
+\* y: for each step of a Receive, whether an optimizer window closed at it
+\* (its sync_gradients); yk: y was recorded (older traces lack it).
+Ev(a, r, i, c, s, y, yk, d) ==
+    [a |-> a, r |-> r, i |-> i, c |-> c, s |-> s, y |-> y, yk |-> yk, d |-> d]
+Obs(r, i) == Ev("Observe", r, i, NoVec, <<>>, <<>>, FALSE, FALSE)
+Exh(r) == Ev("Exhaust", r, 0, NoVec, <<>>, <<>>, FALSE, FALSE)
+Frm(r) == Ev("Form", r, 0, NoVec, <<>>, <<>>, FALSE, FALSE)
+Con(r, o, f, s, t, l) ==
+    Ev("Contribute", r, 0,
+       [offered |-> o, final |-> f, samples |-> s, tokens |-> t, loss_tokens |-> l],
+       <<>>, <<>>, FALSE, FALSE)
+Gat == Ev("AllGather", 0, 0, NoVec, <<>>, <<>>, FALSE, FALSE)
+Rcv(r, s, d) == Ev("Receive", r, 0, NoVec, s, <<>>, FALSE, d)
+RcvW(r, s, y, d) == Ev("Receive", r, 0, NoVec, s, y, TRUE, d)
 """
 
 _TRACE_SPEC = r"""
 \* Receive: the recorded steps are the spec's, batch by batch (a pad is {}),
-\* and the recorded end of epoch is the spec's.
+\* the recorded window boundaries (when recorded) are the spec's, and the
+\* recorded end of epoch is the spec's.
+Ends(r) == {windows'[r][i].end : i \in DOMAIN windows'[r]}
 Emits(e) ==
     /\ steps'[e.r] = steps[e.r] + Len(e.s)
     /\ \A t \in 1 .. Len(e.s) :
         e.s[t] = IF t <= Len(ready[e.r]) THEN ready[e.r][t] ELSE {}
+    /\ e.yk =>
+        /\ Len(e.y) = Len(e.s)
+        /\ \A t \in 1 .. Len(e.y) : e.y[t] = (steps[e.r] + t \in Ends(e.r))
     /\ (phase'[e.r] = "done") = e.d
 
 TraceStep(e) ==
@@ -1063,11 +1094,17 @@ def _trace_log(
         elif name == "Contribute":
             c = Contribution.from_vector(e["vector"], max_steps)
             literals.append(
-                f"Con({r}, {c.offered}, {_tla(c.final)}, {_tla(c.samples)}, {_tla(c.tokens)})"
+                f"Con({r}, {c.offered}, {_tla(c.final)}, {_tla(c.samples)}, "
+                f"{_tla(c.tokens)}, {_tla(c.loss_tokens)})"
             )
         elif name == "Receive":
             steps = [set() if s is None else {sid(i) for i in s} for s in e["steps"]]
-            literals.append(f"Rcv({r}, {_tla_seq_of_sets(steps)}, {_tla(bool(e['done']))})")
+            seq, done = _tla_seq_of_sets(steps), _tla(bool(e["done"]))
+            if e.get("sync") is None:
+                literals.append(f"Rcv({r}, {seq}, {done})")
+            else:
+                sync = _tla([bool(x) for x in e["sync"]])
+                literals.append(f"RcvW({r}, {seq}, {sync}, {done})")
         else:
             raise ConfigError(f"unknown trace action {name!r} (rank {r}, event {idx})")
     return events, literals
@@ -1195,13 +1232,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m odb_core.tlc")
     parser.add_argument("command", choices=["write", "pin"], help="write MC files / re-pin")
+    parser.add_argument("--parallel", type=int, default=2, help="pin: TLC runs at once (default 2)")
     args = parser.parse_args(argv)
     models = load_manifest()
     for p in write_models(models):
         print(f"wrote {p}")
     if args.command == "pin":
-        for change in pin_manifest(run_manifest(models, dump_dot=lambda m: False)):
+        start = time.perf_counter()
+        results = run_manifest(models, parallel=args.parallel, dump_dot=lambda m: False)
+        for change in pin_manifest(results):
             print(change)
+        print(f"TLC on {len(results)} models: {time.perf_counter() - start:.1f}s")
     return 0
 
 

@@ -2,7 +2,9 @@
 
 A `TracingRankMachine` logs every protocol event of one rank together with what
 the rank decided (its all-gather vector, the ids of each emitted step). A trace
-is the per-rank logs plus the protocol config. `validate_trace` linearises the
+is the per-rank logs plus the protocol config: the vectors carry each offered
+batch's samples, cost tokens and loss tokens, and each Receive the optimizer
+window boundaries (`sync`). `validate_trace` linearises the
 per-rank logs (ranks only interact through the all-gather, so any interleaving
 that respects each rank's order and the rendezvous is a valid one), replays it
 through `GlobalModel`, checks every action was enabled, every recorded decision
@@ -26,7 +28,8 @@ from odb_core.model import Action, GlobalModel, GlobalState, ModelConfig
 from odb_core.protocol import Contribution, RankMachine, RoundResult
 from odb_core.sample import Sample
 
-TRACE_VERSION = 1
+#: 2: the all-gather vector carries loss tokens (2 + 3M integers), Receives `sync`.
+TRACE_VERSION = 2
 
 
 def cost_model_to_dict(model: CostModel) -> dict[str, Any]:
@@ -70,16 +73,22 @@ def protocol_from_dict(d: dict[str, Any]) -> ProtocolConfig:
         quota=d.get("quota"),
         deterministic=bool(d.get("deterministic", False)),
         loss_normalization=d.get("loss_normalization", "tokens"),
+        grad_accum_steps=d.get("grad_accum_steps"),
+        tokens_per_update=d.get("tokens_per_update"),
     )
 
 
 @dataclass
 class RankTrace:
     """The events of one rank, in its own order. Each event is a plain dict:
-    {"action": "Observe", "sample": [id, tokens, visual_tokens, patches]},
+    {"action": "Observe", "sample": [id, tokens, visual_tokens, patches, loss_tokens]},
     {"action": "Exhaust"}, {"action": "Form"},
-    {"action": "Contribute", "vector": [...]},
-    {"action": "Receive", "steps": [[ids...] | null (pad), ...], "done": bool}."""
+    {"action": "Contribute", "vector": [...]} (`Contribution.to_vector`: offered,
+    final, then samples, cost tokens and loss tokens of each offered batch),
+    {"action": "Receive", "steps": [[ids...] | null (pad), ...],
+     "sync": [bool, ...] (an optimizer window closed at the step), "done": bool}.
+    A 4-field sample (no loss_tokens: every text token counts) and a Receive
+    without `sync` (boundaries not checked) are accepted."""
 
     rank: int
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -117,6 +126,7 @@ class TracingRankMachine(RankMachine):
             {
                 "action": "Receive",
                 "steps": [None if s.is_pad else list(s.sample_ids) for s in result.steps],
+                "sync": [s.sync_gradients for s in result.steps],
                 "done": result.done,
             }
         )
@@ -138,7 +148,10 @@ class ProtocolTrace:
     @staticmethod
     def from_json(d: dict[str, Any]) -> ProtocolTrace:
         if d.get("version") != TRACE_VERSION:
-            raise ConfigError(f"trace version {d.get('version')!r}, expected {TRACE_VERSION}")
+            raise ConfigError(
+                f"trace version {d.get('version')!r}, expected {TRACE_VERSION} (version 1 "
+                "traces predate loss tokens in the all-gather vector: record the run again)"
+            )
         ranks = [RankTrace(int(r["rank"]), list(r["events"])) for r in d["ranks"]]
         return ProtocolTrace(dict(d["protocol"]), sorted(ranks, key=lambda r: r.rank))
 
@@ -290,6 +303,16 @@ def _decision_mismatch(
         pads = after.ranks[r].pads - before.ranks[r].pads
         if pads != sum(1 for s in event["steps"] if s is None):
             return "recorded pad steps differ from the model's"
+        sync = event.get("sync")
+        if sync is not None:
+            ends = {w.end for w in after.ranks[r].windows}
+            base = before.ranks[r].steps
+            model_sync = [base + t + 1 in ends for t in range(n_steps)]
+            if [bool(x) for x in sync] != model_sync:
+                return (
+                    f"recorded optimizer-window boundaries {sync} but the model closes "
+                    f"windows at {model_sync}"
+                )
         if bool(event["done"]) != (after.ranks[r].phase.value == "done"):
             return "recorded end of epoch differs from the model's"
     return ""

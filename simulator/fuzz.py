@@ -11,7 +11,8 @@ all protocol decisions are the machines'.
 
 Checked on what the machines emit: step alignment (every rank emits the same
 number of steps in every round and in the epoch), termination agreement, exact
-loss normalisation (global counts equal the sum of local ones), exactly-once
+loss normalisation (global counts equal the sum of local ones), window
+alignment (every rank releases the same optimizer windows, each exact), exactly-once
 coverage (join), quota closure and the ledger (quota), budget safety, pad
 accounting, the proven bounds `steps_bound` / `rounds_bound`, deadlock freedom
 and termination (no state without an enabled action, bounded number of actions).
@@ -43,10 +44,12 @@ from odb_core.protocol import (
     RankMachine,
     RankPhase,
     RoundResult,
+    StepInfo,
     rounds_bound,
     steps_bound,
 )
 from odb_core.sample import Sample
+from odb_core.window import WindowBuffer
 
 _SEARCH_COSTS: list[CostModel] = [PackedTokens(), PaddedTokens()]
 ORDERS = ("shuffled", "ascending", "descending", "alternating")
@@ -88,6 +91,8 @@ class Schedule:
             "quota": c.quota,
             "former": c.former.value,
             "oversize": c.oversize.value,
+            "grad_accum_steps": c.grad_accum_steps,
+            "tokens_per_update": c.tokens_per_update,
             "arrival_order": self.order,
             "stragglers": sum(1 for s in self.speeds if s < 0.05),
         }
@@ -124,6 +129,45 @@ class Outcome:
             "actions": self.actions,
             "violations": self.violations[:5],
         }
+
+
+def _check_windows(
+    cfg: ProtocolConfig, buffers: Sequence[WindowBuffer], released: Sequence[list[StepInfo]]
+) -> None:
+    """WindowAlignment on what each rank's training loop got: the same windows and
+    boundaries everywhere, every step released final, each window's local loss
+    tokens (samples) adding up to its global count, each window closed by its
+    rule but the epoch's last."""
+    if any(b.held for b in buffers):
+        raise _Violation("WindowAlignment: a window was still open after the epoch ended")
+    views = [
+        [(s.step, s.window, s.sync_gradients, s.window_samples, s.window_loss_tokens) for s in r]
+        for r in released
+    ]
+    if any(v != views[0] for v in views):
+        raise _Violation("WindowAlignment: ranks released different windows or boundaries")
+    totals: dict[int, list[int]] = {}
+    for r in released:
+        for s in r:
+            if not s.final:
+                raise _Violation(f"WindowAlignment: step {s.step} released without its scale")
+            t = totals.setdefault(s.window, [0, 0, s.window_samples, s.window_loss_tokens, 0])
+            t[0] += s.local_samples
+            t[1] += s.local_loss_tokens
+            t[4] += 1
+    last = max(totals, default=-1)
+    for w, (ls, ll, gs, gl, n) in totals.items():
+        if (ls, ll) != (gs, gl):
+            raise _Violation(
+                f"WindowAlignment: window {w}: local sums ({ls}, {ll}) != window ({gs}, {gl})"
+            )
+        if w == last:
+            continue
+        steps = n // max(1, len(released))
+        if cfg.tokens_per_update is not None and gl < cfg.tokens_per_update:
+            raise _Violation(f"WindowAlignment: window {w} closed at {gl} loss tokens")
+        if cfg.tokens_per_update is None and steps != cfg.accum_steps:
+            raise _Violation(f"WindowAlignment: window {w} ran {steps} steps")
 
 
 # ---- schedule generation ----------------------------------------------------
@@ -218,6 +262,14 @@ def random_schedule(seed: int, max_ranks: int, samples_hint: int = 24) -> Schedu
             shard.append(s)
             next_id += 1
         shards.append(_arrange(rng, shard, order))
+    # Loss tokens and optimizer windows come from their own stream, so adding them
+    # left every other knob of a seed as it was.
+    lrng = random.Random(seed ^ 0x1055)
+    if lrng.random() < 0.7:  # masked prompts: loss tokens apart from cost
+        shards = [
+            [s._replace(loss_tokens=lrng.randint(0, s.tokens)) for s in shard] for shard in shards
+        ]
+    window = lrng.choice(["none", "steps", "tokens"])
     mode = rng.choice([Mode.JOIN, Mode.JOIN, Mode.QUOTA])
     quota = None
     if mode is Mode.QUOTA and next_id > 0 and rng.random() < 0.6:
@@ -233,6 +285,8 @@ def random_schedule(seed: int, max_ranks: int, samples_hint: int = 24) -> Schedu
         max_steps_per_round=rng.choice([1, 1, 2, 3, 8]),
         quota=quota,
         deterministic=rng.random() < 0.2,
+        grad_accum_steps=lrng.randint(1, 6) if window == "steps" else None,
+        tokens_per_update=lrng.randint(1, 4 * budget_tokens) if window == "tokens" else None,
     )
     speeds = [rng.uniform(0.05, 1.0) for _ in range(world)]
     for _ in range(rng.choice([0, 0, 1, 2])):
@@ -320,6 +374,8 @@ def _drive(
     cfg, world = sched.config, sched.world
     rng = random.Random(sched.seed ^ 0x5EED)
     machines = [machine_cls(r, cfg) for r in range(world)]
+    buffers = [WindowBuffer(cfg) for _ in range(world)]
+    released: list[list[StepInfo]] = [[] for _ in range(world)]
     pending = [list(reversed(s)) for s in sched.shards]  # pop() = next arrival
     per_rank = [len(s) for s in sched.shards]
     out.steps_bound, out.rounds_bound = steps_bound(per_rank), rounds_bound(per_rank)
@@ -329,7 +385,7 @@ def _drive(
     inbox: list[tuple[Contribution, ...] | None] = [None] * world
     contributed = 0
     received: dict[int, int] = {}  # round -> ranks that consumed it
-    round_info: dict[int, tuple[int, bool, tuple[int, ...], tuple[int, ...]]] = {}
+    round_info: dict[int, tuple[int, bool, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
     local_sums: dict[int, list[list[int]]] = {}
     first_pad_step: int | None = None
     budget, model = cfg.budget, cfg.cost_model
@@ -372,14 +428,16 @@ def _drive(
         k = len(res.steps)
         gs = tuple(s.global_samples for s in res.steps)
         gt = tuple(s.global_tokens for s in res.steps)
-        info = (k, res.done, gs, gt)
+        gl = tuple(s.global_loss_tokens for s in res.steps)
+        released[r].extend(buffers[r].push(res))
+        info = (k, res.done, gs, gt, gl)
         seen = round_info.setdefault(rnd, info)
         if seen != info:
             raise _Violation(
                 f"StepAlignment: round {rnd}: rank {r} got (steps={k}, done={res.done}) but "
                 f"another rank got (steps={seen[0]}, done={seen[1]})"
             )
-        sums = local_sums.setdefault(rnd, [[0, 0] for _ in range(k)])
+        sums = local_sums.setdefault(rnd, [[0, 0, 0] for _ in range(k)])
         for t, s in enumerate(res.steps):
             if s.is_pad != (s.batch is None):
                 raise _Violation(f"PadAccounting: rank {r} step {s.step}: is_pad={s.is_pad}")
@@ -400,10 +458,15 @@ def _drive(
                     f"exceeds budget {budget.tokens} (max_samples={budget.max_samples}, "
                     f"max_patches={budget.max_patches})"
                 )
-            if s.local_samples != len(s.batch.samples) or s.local_tokens != s.batch.tokens:
-                raise _Violation(f"LossScale: rank {r} step {s.step}: local counts disagree")
+            if (s.local_samples, s.local_tokens, s.local_loss_tokens) != (
+                len(s.batch.samples),
+                s.batch.tokens,
+                s.batch.loss_tokens,
+            ):
+                raise _Violation(f"ExactLossScaling: rank {r} step {s.step}: local counts disagree")
             sums[t][0] += s.local_samples
             sums[t][1] += s.local_tokens
+            sums[t][2] += s.local_loss_tokens
             for sample in s.batch.samples:
                 if not 0 <= sample.id < n:
                     raise _Violation(f"TypeOK: unknown sample id {sample.id}")
@@ -416,11 +479,11 @@ def _drive(
             pending[r].clear()
         received[rnd] = received.get(rnd, 0) + 1
         if received[rnd] == world:
-            for t, (ls, lt) in enumerate(sums):
-                if (ls, lt) != (gs[t], gt[t]):
+            for t, (ls, lt, ll) in enumerate(sums):
+                if (ls, lt, ll) != (gs[t], gt[t], gl[t]):
                     raise _Violation(
-                        f"LossScale: round {rnd} step {t}: sum of local ({ls}, {lt}) != "
-                        f"global ({gs[t]}, {gt[t]})"
+                        f"ExactLossScaling: round {rnd} step {t}: sum of local ({ls}, {lt}, "
+                        f"{ll}) != global ({gs[t]}, {gt[t]}, {gl[t]})"
                     )
 
     while True:
@@ -481,6 +544,7 @@ def _drive(
     if len(steps) != 1:
         raise _Violation(f"StepAlignment: ranks ended at different step counts {sorted(steps)}")
     out.steps = steps.pop()
+    _check_windows(cfg, buffers, released)
     out.rounds = max(m.round for m in machines)
     out.pads = sum(m.pads for m in machines)
     out.carried = len(carried)

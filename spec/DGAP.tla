@@ -9,6 +9,13 @@
 (* decision (Decide): how many aligned steps the round runs and whether    *)
 (* the epoch closes.  A rank with no real batch for a step runs a pad step.*)
 (*                                                                         *)
+(* A sample has a cost (its tokens, which the budget bounds) and loss      *)
+(* tokens (labels not masked, which normalise the loss); the vector        *)
+(* carries both per offered batch.  Every rank folds the decided steps     *)
+(* into optimizer (gradient-accumulation) windows, closed by global counts *)
+(* only: after AccumSteps steps, or at the first step at which the         *)
+(* window's global loss tokens reach TokensPerUpdate, or with the epoch.   *)
+(*                                                                         *)
 (* Variables and actions mirror odb_core name for name: the per-rank       *)
 (* variables are the fields of protocol.RankSnapshot, the others those of  *)
 (* model.GlobalState; the actions are model.Action names.  The Python      *)
@@ -27,6 +34,7 @@ CONSTANTS
     W,              \* world size; ranks are 0 .. W-1
     Shard,          \* Shard[r]: the ids rank r's source yields this epoch
     SampleLen,      \* SampleLen[i]: text + visual tokens of sample i; ids = DOMAIN
+    SampleLoss,     \* SampleLoss[i]: tokens of sample i whose loss counts (Sample.loss)
     SamplePatches,  \* SamplePatches[i]: visual patches of sample i
     Budget,         \* token budget of one batch (integral)
     MaxSamples,     \* cap on samples per batch, 0 = none
@@ -37,6 +45,8 @@ CONSTANTS
     Mode,           \* "join" or "quota"
     Quota,          \* global sample quota in quota mode, 0 = none
     Deterministic,  \* TRUE: a source yields its samples in id order
+    AccumSteps,     \* steps per optimizer window (grad_accum_steps; 1 when unset)
+    TokensPerUpdate,\* close a window at TokensPerUpdate global loss tokens; 0 = by steps
     NoValue         \* model value: no contribution / empty inbox
 
 Ranks == 0 .. W - 1
@@ -51,6 +61,10 @@ ASSUME
     /\ \A r, s \in Ranks : r # s => Shard[r] \cap Shard[s] = {}
     /\ UNION {Shard[r] : r \in Ranks} = Ids
     /\ SamplePatches \in [Ids -> Nat]
+    /\ SampleLoss \in [Ids -> Nat]
+    /\ AccumSteps \in Nat \ {0}
+    /\ TokensPerUpdate \in Nat
+    /\ TokensPerUpdate > 0 => AccumSteps = 1
     /\ Budget \in Nat /\ MaxSamples \in Nat /\ MaxPatches \in Nat /\ Quota \in Nat
     /\ CostModel \in {"packed", "padded"}
     /\ Mode \in {"join", "quota"}
@@ -67,12 +81,16 @@ VARIABLES
     round,          \* per rank: collectives completed
     emitted,        \* per rank: global real samples emitted so far (its view)
     contribution,   \* per rank: the vector it put into the open round, or NoValue
+    window_loss,    \* per rank: global loss tokens of the open optimizer window so far
+    window_local,   \* per rank: its own loss tokens in the open window so far
+    windows,        \* per rank: closed windows, a sequence of [end, loss, local]
     pending,        \* per rank: ids its source has not yielded yet
     inbox,          \* per rank: the gathered round it has not consumed, or NoValue
     delivered,      \* per id: how many times it was emitted in a real batch
     ledger          \* ids carried to the next epoch by a quota-mode close
 
-rankVars == <<phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution>>
+rankVars == <<phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution,
+             window_loss, window_local, windows>>
 vars == <<rankVars, pending, inbox, delivered, ledger>>
 
 -----------------------------------------------------------------------------
@@ -92,6 +110,7 @@ Min2(a, b) == IF a <= b THEN a ELSE b
 (* Cost models and the sort-window greedy former (formers.py).             *)
 
 Tokens(B) == SumOver(B, SampleLen)
+LossTokens(B) == SumOver(B, SampleLoss)
 
 Cost(B) ==
     IF CostModel = "padded"
@@ -143,18 +162,21 @@ Offer(r) ==
     IN [offered |-> n,
         final   |-> exhausted[r] /\ buffer[r] = {} /\ Len(ready[r]) <= M,
         samples |-> [t \in 1 .. n |-> Cardinality(ready[r][t])],
-        tokens  |-> [t \in 1 .. n |-> Tokens(ready[r][t])]]
+        tokens  |-> [t \in 1 .. n |-> Tokens(ready[r][t])],
+        loss_tokens |-> [t \in 1 .. n |-> LossTokens(ready[r][t])]]
 
-CutAt(k, gs, gt, done) ==
+CutAt(k, gs, gt, gl, done) ==
     [steps |-> k, done |-> done,
-     global_samples |-> SubSeq(gs, 1, k), global_tokens |-> SubSeq(gt, 1, k)]
+     global_samples |-> SubSeq(gs, 1, k), global_tokens |-> SubSeq(gt, 1, k),
+     global_loss_tokens |-> SubSeq(gl, 1, k)]
 
-\* The exact-step quota cut on the round's global sample counts gs.
-QuotaCut(gs, gt, done0, before) ==
+\* The exact-step quota cut on the round's global sample counts gs (the cost
+\* and loss token columns gt, gl are cut with them).
+QuotaCut(gs, gt, gl, done0, before) ==
     LET hits == IF Mode = "quota" /\ Quota > 0
                 THEN {t \in DOMAIN gs : before + SumSeq(SubSeq(gs, 1, t)) >= Quota}
                 ELSE {}
-    IN CutAt(IF hits = {} THEN Len(gs) ELSE MinOf(hits), gs, gt, done0 \/ hits # {})
+    IN CutAt(IF hits = {} THEN Len(gs) ELSE MinOf(hits), gs, gt, gl, done0 \/ hits # {})
 
 \* protocol.decide_round, on the gathered vectors g and emitted-so-far `before`.
 \* join:  k = min offered over ranks that are not final, else max offered and
@@ -173,7 +195,57 @@ Decide(g, before) ==
             LET S == {r \in Ranks : t <= g[r].offered}
             IN SumOver(S, [r \in S |-> g[r][field][t]])
     IN QuotaCut([t \in 1 .. k0 |-> Column(t, "samples")],
-                [t \in 1 .. k0 |-> Column(t, "tokens")], done0, before)
+                [t \in 1 .. k0 |-> Column(t, "tokens")],
+                [t \in 1 .. k0 |-> Column(t, "loss_tokens")], done0, before)
+
+-----------------------------------------------------------------------------
+(* Optimizer windows (RankMachine._emit, _window_closes, _close_window).    *)
+(* A rank's window state w: its step count, the open window's global and    *)
+(* local loss tokens, the closed windows.  The closing rule reads only the  *)
+(* step count and global counts, which every rank has from the same         *)
+(* all-gather; the local count is only recorded.                            *)
+
+WindowState(r) ==
+    [steps |-> steps[r], loss |-> window_loss[r], local |-> window_local[r],
+     windows |-> windows[r]]
+
+LastEnd(ws) == IF ws = <<>> THEN 0 ELSE ws[Len(ws)].end
+
+\* Steps decided in the open window (RankMachine.window_steps).
+WindowSteps(w) == w.steps - LastEnd(w.windows)
+
+\* Whether the open window closes at the step just added.
+WindowCloses(w) ==
+    IF TokensPerUpdate > 0 THEN w.loss >= TokensPerUpdate
+    ELSE WindowSteps(w) >= AccumSteps
+
+CloseWindow(w) ==
+    [steps |-> w.steps, loss |-> 0, local |-> 0,
+     windows |-> Append(w.windows, [end |-> w.steps, loss |-> w.loss, local |-> w.local])]
+
+\* One decided step: gl global loss tokens, `local` of them this rank's (0 on
+\* a pad); `last`: the epoch's last step, which closes the window too.
+AddStep(w, gl, local) == [w EXCEPT !.steps = @ + 1, !.loss = @ + gl, !.local = @ + local]
+StepWindow(w, last) == IF WindowCloses(w) \/ last THEN CloseWindow(w) ELSE w
+
+\* Steps t .. d.steps of decision d, in order; locals[t]: this rank's loss tokens.
+RECURSIVE FoldSteps(_, _, _, _)
+FoldSteps(w, d, locals, t) ==
+    IF t > d.steps THEN w
+    ELSE FoldSteps(StepWindow(AddStep(w, d.global_loss_tokens[t], locals[t]),
+                              d.done /\ t = d.steps),
+                   d, locals, t + 1)
+
+\* A closing round without a step closes a window left open.
+CloseAtEnd(w, done) == IF done /\ WindowSteps(w) > 0 THEN CloseWindow(w) ELSE w
+
+\* This rank's loss tokens at each of the n decided steps: its first `real`
+\* queued batches, then pads.
+StepLocals(r, n, real) == [t \in 1 .. n |-> IF t <= real THEN LossTokens(ready[r][t]) ELSE 0]
+
+\* Rank r's window state after it runs decision d with `real` real batches.
+EmitWindows(r, d, real) ==
+    CloseAtEnd(FoldSteps(WindowState(r), d, StepLocals(r, d.steps, real), 1), d.done)
 
 -----------------------------------------------------------------------------
 (* Which local action a rank may take (RankMachine.enabled).                *)
@@ -205,6 +277,9 @@ Init ==
     /\ round = [r \in Ranks |-> 0]
     /\ emitted = [r \in Ranks |-> 0]
     /\ contribution = [r \in Ranks |-> NoValue]
+    /\ window_loss = [r \in Ranks |-> 0]
+    /\ window_local = [r \in Ranks |-> 0]
+    /\ windows = [r \in Ranks |-> <<>>]
     /\ pending = Shard
     /\ inbox = [r \in Ranks |-> NoValue]
     /\ delivered = [i \in Ids |-> 0]
@@ -218,7 +293,7 @@ Observe(r, i) ==
     /\ buffer' = [buffer EXCEPT ![r] = @ \cup {i}]
     /\ pending' = [pending EXCEPT ![r] = @ \ {i}]
     /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted, contribution,
-                   inbox, delivered, ledger>>
+                   window_loss, window_local, windows, inbox, delivered, ledger>>
 
 \* Rank r's source is found dry.
 Exhaust(r) ==
@@ -226,7 +301,7 @@ Exhaust(r) ==
     /\ pending[r] = {}
     /\ exhausted' = [exhausted EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<phase, buffer, ready, steps, pads, round, emitted, contribution,
-                   pending, inbox, delivered, ledger>>
+                   window_loss, window_local, windows, pending, inbox, delivered, ledger>>
 
 \* Run the former on the window: a full window, or the tail of a dry source.
 Form(r) ==
@@ -235,7 +310,7 @@ Form(r) ==
           /\ ready' = [ready EXCEPT ![r] = @ \o res.batches]
           /\ buffer' = [buffer EXCEPT ![r] = res.leftovers]
     /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
-                   pending, inbox, delivered, ledger>>
+                   window_loss, window_local, windows, pending, inbox, delivered, ledger>>
 
 \* Enter the round's all-gather with this rank's vector.
 Contribute(r) ==
@@ -243,7 +318,7 @@ Contribute(r) ==
     /\ contribution' = [contribution EXCEPT ![r] = Offer(r)]
     /\ phase' = [phase EXCEPT ![r] = "waiting"]
     /\ UNCHANGED <<exhausted, buffer, ready, steps, pads, round, emitted,
-                   pending, inbox, delivered, ledger>>
+                   window_loss, window_local, windows, pending, inbox, delivered, ledger>>
 
 \* The collective completes once every rank has contributed and consumed the
 \* previous round; every rank gets the same gathered vectors.
@@ -255,8 +330,9 @@ AllGather ==
 \* (`\E x \in {e}` binds e once: TLC does not cache LET values when it
 \* evaluates ENABLED for the fairness condition, and Decide is not cheap.)
 \* Rank r consumes the gathered round: it runs the agreed steps, real batches
-\* from the head of its queue and pad steps after them, then either starts the
-\* next round or closes the epoch, carrying what it still holds to the ledger.
+\* from the head of its queue and pad steps after them, folding each into its
+\* optimizer window, then either starts the next round or closes the epoch,
+\* carrying what it still holds to the ledger.
 Receive(r) ==
     /\ inbox[r] # NoValue
     /\ \E d \in {Decide(inbox[r], emitted[r])} :
@@ -271,6 +347,10 @@ Receive(r) ==
           /\ inbox' = [inbox EXCEPT ![r] = NoValue]
           /\ delivered' = [i \in Ids |->
                 delivered[i] + Cardinality({t \in 1 .. real : i \in ready[r][t]})]
+          /\ \E w \in {EmitWindows(r, d, real)} :
+                /\ window_loss' = [window_loss EXCEPT ![r] = w.loss]
+                /\ window_local' = [window_local EXCEPT ![r] = w.local]
+                /\ windows' = [windows EXCEPT ![r] = w.windows]
           /\ IF d.done
              THEN /\ phase' = [phase EXCEPT ![r] = "done"]
                   /\ buffer' = [buffer EXCEPT ![r] = {}]
@@ -324,7 +404,10 @@ LiveSpec == Init /\ [][Next]_vars /\ LiveFairness
 (* Invariants, named as in odb_core/invariants.py.                          *)
 
 ContributionType ==
-    [offered : 0 .. M, final : BOOLEAN, samples : Seq(Nat), tokens : Seq(Nat)]
+    [offered : 0 .. M, final : BOOLEAN, samples : Seq(Nat), tokens : Seq(Nat),
+     loss_tokens : Seq(Nat)]
+
+WindowType == [end : Nat, loss : Nat, local : Nat]
 
 TypeOK ==
     /\ phase \in [Ranks -> Phases]
@@ -334,6 +417,8 @@ TypeOK ==
     /\ steps \in [Ranks -> Nat] /\ pads \in [Ranks -> Nat]
     /\ round \in [Ranks -> Nat] /\ emitted \in [Ranks -> Nat]
     /\ contribution \in [Ranks -> ContributionType \cup {NoValue}]
+    /\ window_loss \in [Ranks -> Nat] /\ window_local \in [Ranks -> Nat]
+    /\ windows \in [Ranks -> Seq(WindowType)]
     /\ pending \in [Ranks -> SUBSET Ids]
     /\ inbox \in [Ranks -> [Ranks -> ContributionType \cup {NoValue}] \cup {NoValue}]
     /\ delivered \in [Ids -> Nat]
@@ -400,16 +485,42 @@ TerminationAgreement ==
         (phase[r] = "done" /\ phase[s] # "done") =>
             inbox[s] # NoValue /\ round[s] = round[r] - 1
 
-\* Spec-only: while a vector is in flight it describes the head of the rank's
-\* queue, so the global counts of a step are the sums of the local ones.
+\* While a vector is in flight it describes the head of the rank's queue
+\* (samples, cost tokens, loss tokens), and every rank got what each rank
+\* sent; so the global counts of a step are the sums of the local ones.
 ExactLossScaling ==
     \A r \in Ranks :
         /\ contribution[r] # NoValue =>
             LET c == contribution[r]
             IN /\ c.offered <= Len(ready[r])
                /\ \A t \in 1 .. c.offered :
-                    c.samples[t] = Cardinality(ready[r][t]) /\ c.tokens[t] = Tokens(ready[r][t])
+                    /\ c.samples[t] = Cardinality(ready[r][t])
+                    /\ c.tokens[t] = Tokens(ready[r][t])
+                    /\ c.loss_tokens[t] = LossTokens(ready[r][t])
         /\ inbox[r] # NoValue => inbox[r][r] = contribution[r]
+
+\* Ranks that completed the same rounds closed the same optimizer windows at
+\* the same steps with the same global loss tokens, and hold the same open
+\* window; each window closed by its rule (the last one of an epoch may be
+\* short); and when all ranks completed the same rounds, each window's local
+\* loss tokens add up over the ranks to its global count (so the window's
+\* loss scales sum to exactly the global per-token mean).
+WindowView(r) ==
+    <<[i \in DOMAIN windows[r] |-> <<windows[r][i].end, windows[r][i].loss>>], window_loss[r]>>
+
+WindowStart(r, i) == IF i = 1 THEN 0 ELSE windows[r][i - 1].end
+
+WindowAlignment ==
+    /\ \A r, s \in Ranks : round[r] = round[s] => WindowView(r) = WindowView(s)
+    /\ \A r \in Ranks : \A i \in DOMAIN windows[r] :
+        /\ windows[r][i].end > WindowStart(r, i)
+        /\ \/ i = Len(windows[r]) /\ phase[r] = "done"
+           \/ TokensPerUpdate = 0 /\ windows[r][i].end - WindowStart(r, i) = AccumSteps
+           \/ TokensPerUpdate > 0 /\ windows[r][i].loss >= TokensPerUpdate
+    /\ (\A r \in Ranks : round[r] = round[0]) =>
+        /\ \A i \in DOMAIN windows[0] :
+            SumOver(Ranks, [r \in Ranks |-> windows[r][i].local]) = windows[0][i].loss
+        /\ SumOver(Ranks, window_local) = window_loss[0]
 
 \* Spec-only: a rank pads only once it has nothing left (source dry, window
 \* and queue empty), and never in quota mode.  So each rank's steps are its

@@ -5,17 +5,18 @@
 (* property of DGAP against one variant and must produce a counterexample, *)
 (* so no property is vacuously true (the habit of MongoDB's *_bug.cfg).    *)
 (*                                                                         *)
-(* The first eight mirror odb_core/bugs.py (BugVariant values); the others *)
+(* The first ten mirror odb_core/bugs.py (BugVariant values); the others  *)
 (* break a rule the Python model cannot break without raising.             *)
 (* Actions keep DGAP's names so counterexamples read like DGAP traces.     *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets
 
-CONSTANTS W, Shard, SampleLen, SamplePatches, Budget, MaxSamples, MaxPatches, CostModel,
-          K, M, Mode, Quota, Deterministic, NoValue, Bug
+CONSTANTS W, Shard, SampleLen, SampleLoss, SamplePatches, Budget, MaxSamples, MaxPatches,
+          CostModel, K, M, Mode, Quota, Deterministic, AccumSteps, TokensPerUpdate, NoValue,
+          Bug
 
 VARIABLES phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution,
-          pending, inbox, delivered, ledger
+          window_loss, window_local, windows, pending, inbox, delivered, ledger
 
 D == INSTANCE DGAP
 \* The decision of quota mode, applied in join mode by join-closes-early.
@@ -30,6 +31,8 @@ Bugs == {
     "quota-forgets-ledger",  \* a quota close discards what it holds
     "ignore-budget",         \* the whole window becomes one batch
     "eager-contribute",      \* a rank may enter the collective with nothing formed
+    "loss-by-cost",          \* the vector carries cost tokens where loss tokens belong
+    "window-by-local",       \* a window closes on the rank's own loss tokens
     "join-closes-early",     \* join mode closes like quota mode: the tail is dropped
     "stale-inbox",           \* a rank consumes the same gathered round twice
     "unbounded-prefetch",    \* prefetch while waiting ignores the window size
@@ -55,14 +58,16 @@ Observe(r, i) ==
             /\ buffer' = [buffer EXCEPT ![r] = @ \cup {i}]
             /\ pending' = [pending EXCEPT ![r] = @ \ {i}]
             /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted,
-                           contribution, inbox, delivered, ledger>>
+                           contribution, window_loss, window_local, windows,
+                           inbox, delivered, ledger>>
       [] Bug = "any-order" ->
             /\ D!NeedsSample(r)
             /\ i \in pending[r]
             /\ buffer' = [buffer EXCEPT ![r] = @ \cup {i}]
             /\ pending' = [pending EXCEPT ![r] = @ \ {i}]
             /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted,
-                           contribution, inbox, delivered, ledger>>
+                           contribution, window_loss, window_local, windows,
+                           inbox, delivered, ledger>>
       [] OTHER -> D!Observe(r, i)
 
 Exhaust(r) == D!Exhaust(r)
@@ -81,20 +86,22 @@ Form(r) ==
                         /\ ready' = [ready EXCEPT ![r] = Append(@, buffer[r])]
                         /\ buffer' = [buffer EXCEPT ![r] = {}]
          /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
-                        pending, inbox, delivered, ledger>>
+                        window_loss, window_local, windows, pending, inbox, delivered, ledger>>
     ELSE D!Form(r)
 
 Contribute(r) ==
-    IF Bug \in {"silent-stop", "eager-contribute", "offer-miscounts"}
+    IF Bug \in {"silent-stop", "eager-contribute", "offer-miscounts", "loss-by-cost"}
     THEN /\ \/ D!CanContribute(r)
             \/ Bug = "eager-contribute" /\ phase[r] = "filling" /\ D!NeedsSample(r)
          /\ LET o == D!Offer(r)
-                c == IF Bug = "offer-miscounts" THEN [o EXCEPT !.tokens = o.samples] ELSE o
+                c == CASE Bug = "offer-miscounts" -> [o EXCEPT !.tokens = o.samples]
+                       [] Bug = "loss-by-cost" -> [o EXCEPT !.loss_tokens = o.tokens]
+                       [] OTHER -> o
             IN /\ contribution' = [contribution EXCEPT ![r] = c]
                /\ phase' = [phase EXCEPT ![r] =
                     IF Bug = "silent-stop" /\ c.final /\ c.offered = 0 THEN "done" ELSE "waiting"]
          /\ UNCHANGED <<exhausted, buffer, ready, steps, pads, round, emitted,
-                        pending, inbox, delivered, ledger>>
+                        window_loss, window_local, windows, pending, inbox, delivered, ledger>>
     ELSE D!Contribute(r)
 
 AllGather == D!AllGather
@@ -108,11 +115,31 @@ DecideMax(g) ==
             IN D!SumOver(S, [r \in S |-> g[r][field][t]])
     IN [steps |-> k, done |-> \A r \in Ranks : g[r].final,
         global_samples |-> [t \in 1 .. k |-> Column(t, "samples")],
-        global_tokens |-> [t \in 1 .. k |-> Column(t, "tokens")]]
+        global_tokens |-> [t \in 1 .. k |-> Column(t, "tokens")],
+        global_loss_tokens |-> [t \in 1 .. k |-> Column(t, "loss_tokens")]]
+
+\* window-by-local: a window closes once the rank's own loss tokens reach
+\* TokensPerUpdate, not the window's global ones (D!FoldSteps otherwise).
+LocalStepWindow(w, last) ==
+    IF (IF TokensPerUpdate > 0 THEN w.local >= TokensPerUpdate ELSE D!WindowCloses(w)) \/ last
+    THEN D!CloseWindow(w) ELSE w
+
+RECURSIVE LocalFoldSteps(_, _, _, _)
+LocalFoldSteps(w, d, locals, t) ==
+    IF t > d.steps THEN w
+    ELSE LocalFoldSteps(LocalStepWindow(D!AddStep(w, d.global_loss_tokens[t], locals[t]),
+                                        d.done /\ t = d.steps),
+                        d, locals, t + 1)
+
+Windows(r, d, real) ==
+    IF Bug = "window-by-local"
+    THEN D!CloseAtEnd(LocalFoldSteps(D!WindowState(r), d, D!StepLocals(r, d.steps, real), 1),
+                      d.done)
+    ELSE D!EmitWindows(r, d, real)
 
 Receive(r) ==
     IF Bug \in {"no-pads", "pad-repeats-batch", "quota-forgets-ledger", "join-closes-early",
-                "stale-inbox", "early-pads"}
+                "stale-inbox", "early-pads", "window-by-local"}
     THEN
     /\ inbox[r] # NoValue
     /\ \E d \in {CASE Bug = "join-closes-early" -> DQ!Decide(inbox[r], emitted[r])
@@ -132,6 +159,12 @@ Receive(r) ==
           /\ inbox' = IF Bug = "stale-inbox" THEN inbox ELSE [inbox EXCEPT ![r] = NoValue]
           /\ delivered' = [i \in Ids |->
                 delivered[i] + Cardinality({t \in 1 .. real : i \in ready[r][t]}) + repeat(i)]
+          \* (no-pads and pad-repeats-batch fold every decided step, pads too,
+          \* as their Python twins do before they drop or rewrite the pads)
+          /\ \E w \in {Windows(r, d, real)} :
+                /\ window_loss' = [window_loss EXCEPT ![r] = w.loss]
+                /\ window_local' = [window_local EXCEPT ![r] = w.local]
+                /\ windows' = [windows EXCEPT ![r] = w.windows]
           /\ IF d.done
              THEN /\ phase' = [phase EXCEPT ![r] = "done"]
                   /\ buffer' = [buffer EXCEPT ![r] = {}]
@@ -180,6 +213,7 @@ BudgetSafety == D!BudgetSafety
 BoundedTermination == D!BoundedTermination
 TerminationAgreement == D!TerminationAgreement
 ExactLossScaling == D!ExactLossScaling
+WindowAlignment == D!WindowAlignment
 DeterministicArrival == D!DeterministicArrival
 PadsOnlyAtEnd == D!PadsOnlyAtEnd
 Termination == D!Termination

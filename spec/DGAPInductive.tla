@@ -10,8 +10,9 @@
 (* IndInv' fails.  Each rank's gathered vector may hold any offer of the   *)
 (* others within the domain, so Receive is checked against every decision  *)
 (* those offers can produce.  The cross-rank invariants (StepAlignment,    *)
-(* CollectiveAlignment, TerminationAgreement, QuotaClosure, the bounds)    *)
-(* are checked on reachable states by the MC models; proofs/ argues them.  *)
+(* CollectiveAlignment, TerminationAgreement, QuotaClosure, WindowAlignment,*)
+(* the bounds) are checked on reachable states by the MC models; proofs/   *)
+(* argues them.                                                            *)
 (***************************************************************************)
 EXTENDS DGAP
 
@@ -30,9 +31,11 @@ BatchSeqs(S) ==
 
 \* Every vector rank s can send: its batches are sets of its own samples.
 Offers(s) ==
-    {[offered |-> 0, final |-> f, samples |-> <<>>, tokens |-> <<>>] : f \in BOOLEAN}
+    {[offered |-> 0, final |-> f, samples |-> <<>>, tokens |-> <<>>, loss_tokens |-> <<>>] :
+        f \in BOOLEAN}
     \cup
-    {[offered |-> 1, final |-> f, samples |-> <<Cardinality(b)>>, tokens |-> <<Tokens(b)>>] :
+    {[offered |-> 1, final |-> f, samples |-> <<Cardinality(b)>>, tokens |-> <<Tokens(b)>>,
+      loss_tokens |-> <<LossTokens(b)>>] :
         f \in BOOLEAN, b \in (SUBSET Shard[s]) \ {{}}}
 
 \* A waiting rank's gathered round: its own vector and any offers of the others.
@@ -73,9 +76,11 @@ IndInv ==
     /\ PadsOnlyAtEnd
 
 \* Every IndInv state of the domain, enumerated so that TLC prunes early.  The
-\* counters round and steps are fixed (0, and pads at most 1): no guard or
-\* update of an IndInv variable reads them; emitted, read by the quota cut
-\* only, ranges over 0 .. MaxCount.  This module is for two ranks.
+\* counters round and steps are fixed (0, and pads at most 1), and so is the
+\* optimizer-window state (window_loss, window_local, windows: nothing open,
+\* nothing closed): no guard or update of an IndInv variable reads them;
+\* emitted, read by the quota cut only, ranges over 0 .. MaxCount.  This
+\* module is for two ranks.
 IndInit ==
     /\ depth = 0
     /\ pending \in [Ranks -> SUBSET Ids]
@@ -96,6 +101,9 @@ IndInit ==
     /\ pads \in [Ranks -> 0 .. 1]
     /\ steps = pads
     /\ PadsOnlyAtEnd
+    /\ window_loss = [r \in Ranks |-> 0]
+    /\ window_local = [r \in Ranks |-> 0]
+    /\ windows = [r \in Ranks |-> <<>>]
     /\ emitted \in [Ranks -> 0 .. MaxCount]
     /\ \E c0 \in ContributionChoices(0), c1 \in ContributionChoices(1) :
             contribution = [r \in Ranks |-> IF r = 0 THEN c0 ELSE c1]

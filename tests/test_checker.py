@@ -38,6 +38,23 @@ def test_all_guarantees_hold(mode: Mode, world: int, n: int, k: int) -> None:
     assert r.max_rounds_seen <= r.rounds_bound
 
 
+@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize(
+    "window", [{"grad_accum_steps": 2}, {"grad_accum_steps": 3}, {"tokens_per_update": 3}]
+)
+def test_windows_and_masked_loss_tokens_keep_every_guarantee(
+    mode: Mode, window: dict[str, int]
+) -> None:
+    costs = [(i % 3) + 1 for i in range(7)]
+    protocol = ProtocolConfig(
+        world_size=3, budget=Budget(4), buffer_size=2, mode=mode, max_steps_per_round=2, **window
+    )
+    loss = [c - 1 for c in costs]  # a masked first token per sample
+    r = check(ModelConfig(protocol, round_robin_shards(costs, 3, loss)))
+    assert r.complete and r.ok, [v.to_json() for v in r.violations]
+    assert r.deadlocks == 0 and r.acyclic
+
+
 def test_thousands_of_states_on_the_reference_config() -> None:
     for mode in Mode:
         r = check(model(3, 6, 1, mode))

@@ -1,8 +1,9 @@
 """The state graph TLC explores from spec/DGAP.tla equals the Python model's.
 
 For every manifest model marked `conformance` (W = 2 and 3, both modes, windows
-1-3, packed and padded costs, deterministic mode): the same states, and the
-same multiset of (source, target, action name) edges.
+1-3, packed and padded costs, deterministic mode, optimizer windows by steps and
+by loss tokens, loss tokens apart from cost): the same states, and the same
+multiset of (source, target, action name) edges.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def test_at_least_three_configurations_are_compared() -> None:
     modes = {BY_NAME[n].mode for n in CONFORMANCE}
     worlds = {BY_NAME[n].world_size for n in CONFORMANCE}
     assert modes == {"join", "quota"} and worlds == {2, 3}
+    windowed = [BY_NAME[n] for n in CONFORMANCE if BY_NAME[n].loss is not None]
+    assert any(m.grad_accum_steps for m in windowed) and any(m.tokens_per_update for m in windowed)
 
 
 def test_dot_dump_parser(tmp_path: Path) -> None:
@@ -98,3 +101,25 @@ def test_the_comparison_finds_differences() -> None:
     assert other_graph is not None
     report = compare_graphs(tlc_graph, other_graph)
     assert not report.equal and report.only_in_tlc and report.only_in_python
+
+
+@pytest.mark.tlc
+def test_the_comparison_sees_loss_tokens_and_windows() -> None:
+    """The same costs with other loss tokens, or another window rule, give other
+    states: the vectors' loss tokens and the window variables are compared."""
+    require_tlc()
+    name = "MCjoin_w2_n5_k1_g2"
+    m = BY_NAME[name]
+    tlc_graph = parse_dot(manifest_results()[name].dot_path)  # type: ignore[arg-type]
+    cfg = m.model_config()
+    assert m.loss is not None
+    loss = [m.loss[0] + 1, *m.loss[1:]]
+    variants = [
+        replace(cfg, shards=round_robin_shards(m.costs, m.world_size, loss)),
+        replace(cfg, protocol=replace(cfg.protocol, grad_accum_steps=3)),
+    ]
+    for other in variants:
+        graph = check(other, keep_graph=True).graph
+        assert graph is not None
+        report = compare_graphs(tlc_graph, graph)
+        assert not report.equal and report.only_in_tlc and report.only_in_python

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -26,6 +27,7 @@ from odb_core.protocol import (
     decide_round,
 )
 from odb_core.sample import Sample, make_sample
+from odb_core.window import WindowBuffer
 
 
 def cfg(**kw: object) -> ProtocolConfig:
@@ -145,8 +147,8 @@ def test_full_round_and_done() -> None:
     ms[0].form()
     ms[1].exhaust()
     cs = [m.contribute() for m in ms]
-    assert cs[0] == Contribution(1, True, (1,), (4,))
-    assert cs[1] == Contribution(0, True, (), ())
+    assert cs[0] == Contribution(1, True, (1,), (4,), (4,))
+    assert cs[1] == Contribution(0, True, (), (), ())
     results = [m.all_gather(cs) for m in ms]
     assert all(r.done for r in results)
     assert [r.steps[0].is_pad for r in results] == [False, True]
@@ -160,13 +162,13 @@ def test_peer_vector_inconsistent_with_own_raises_peer_error() -> None:
     m.exhaust()
     m.contribute()
     with pytest.raises(ODBPeerError, match="sent"):
-        m.all_gather([Contribution(1, True, (1,), (1,)), Contribution(0, True, (), ())])
+        m.all_gather([Contribution(1, True, (1,), (1,), (1,)), Contribution(0, True, (), (), ())])
     with pytest.raises(ODBPeerError, match="3 vectors for world size 2"):
-        m.all_gather([Contribution(0, True, (), ())] * 3)
+        m.all_gather([Contribution(0, True, (), (), ())] * 3)
 
 
 def test_vector_roundtrip_and_malformed_vector() -> None:
-    c = Contribution(2, False, (3, 1), (30, 9))
+    c = Contribution(2, False, (3, 1), (30, 9), (20, 0))
     assert Contribution.from_vector(c.to_vector(4), 4) == c
     with pytest.raises(ODBPeerError):
         Contribution.from_vector([9, 0, 0, 0], 1)
@@ -180,48 +182,115 @@ def test_join_round_takes_min_over_open_ranks_and_pads_final() -> None:
         Mode.JOIN,
         None,
         0,
-        [Contribution(3, False, (1, 1, 1), (5, 5, 5)), Contribution(1, True, (2,), (7,))],
+        [
+            Contribution(3, False, (1, 1, 1), (5, 5, 5), (4, 4, 4)),
+            Contribution(1, True, (2,), (7,), (3,)),
+        ],
     )
     assert d.steps == 3 and not d.done
     assert d.global_samples == (3, 1, 1) and d.global_tokens == (12, 5, 5)
+    assert d.global_loss_tokens == (7, 4, 4)
 
 
 def test_join_all_final_takes_max_and_ends() -> None:
     d = decide_round(
-        Mode.JOIN, None, 0, [Contribution(2, True, (1, 1), (1, 1)), Contribution(0, True, (), ())]
+        Mode.JOIN,
+        None,
+        0,
+        [Contribution(2, True, (1, 1), (1, 1), (1, 1)), Contribution(0, True, (), (), ())],
     )
     assert d.steps == 2 and d.done
 
 
 def test_quota_cuts_at_the_exact_step() -> None:
-    cs = [Contribution(3, False, (2, 2, 2), (1, 1, 1))] * 2
+    cs = [Contribution(3, False, (2, 2, 2), (1, 1, 1), (1, 1, 1))] * 2
     d = decide_round(Mode.QUOTA, 7, 0, cs)
     assert d.steps == 2 and d.done  # 4 after step 0, 8 >= 7 after step 1
 
 
 def test_quota_closes_when_first_rank_runs_dry() -> None:
-    cs = [Contribution(2, False, (1, 1), (1, 1)), Contribution(1, True, (1,), (1,))]
+    cs = [Contribution(2, False, (1, 1), (1, 1), (1, 1)), Contribution(1, True, (1,), (1,), (1,))]
     d = decide_round(Mode.QUOTA, None, 0, cs)
     assert d.steps == 1 and d.done
 
 
 @pytest.mark.parametrize("norm", list(LossNormalization))
 def test_loss_scale_gives_exact_global_mean(norm: LossNormalization) -> None:
-    # Rank 0: one sample of 6 tokens; rank 1: two samples of 1 token each.
+    # Rank 0: one sample of 6 tokens, 2 of them loss tokens; rank 1: two samples of
+    # 1 token each, all loss tokens. The cost tokens (8) must not normalise the loss.
     c = cfg(loss_normalization=norm, budget=Budget(10), buffer_size=2)
     ms = [RankMachine(r, c) for r in range(2)]
-    sources = [iter([Sample(0, 6)]), iter([Sample(1, 1), Sample(2, 1)])]
+    sources = [iter([Sample(0, 6, loss_tokens=2)]), iter([Sample(1, 1), Sample(2, 1)])]
     cs = [m.fill(lambda it=it: next(it, None)) for m, it in zip(ms, sources, strict=True)]
-    steps = [m.all_gather(cs).steps[0] for m in ms]
+    steps = [WindowBuffer(c).push(m.all_gather(cs))[0] for m in ms]
     assert steps[0].global_tokens == steps[1].global_tokens == 8
+    assert steps[0].global_loss_tokens == steps[1].global_loss_tokens == 4
     assert steps[0].global_samples == steps[1].global_samples == 3
-    # Per-sample token losses: rank 0 all 1.0, rank 1 all 4.0.
+    # Per-token losses: rank 0 all 1.0, rank 1 all 4.0.
     if norm is LossNormalization.TOKENS:
-        local_means, true_mean = [1.0, 4.0], (6 * 1.0 + 2 * 4.0) / 8
+        local_means, true_mean = [1.0, 4.0], (2 * 1.0 + 2 * 4.0) / 4
     else:
         local_means, true_mean = [1.0, 4.0], (1 * 1.0 + 2 * 4.0) / 3
     ddp_avg = sum(lm * s.loss_scale for lm, s in zip(local_means, steps, strict=True)) / 2
-    assert ddp_avg == pytest.approx(true_mean)
+    assert ddp_avg == pytest.approx(true_mean, rel=1e-12)
+    wrong = (6 * 1.0 + 2 * 4.0) / 8  # what cost-token normalisation would give
+    assert norm is LossNormalization.SAMPLES or abs(ddp_avg - wrong) > 0.1
+
+
+def test_machine_steps_are_provisional_until_their_window_closes() -> None:
+    c = cfg(grad_accum_steps=2, budget=Budget(1), buffer_size=1, max_steps_per_round=1)
+    m = RankMachine(0, replace(c, world_size=1))
+    buf = WindowBuffer(m.config)
+    src = iter([Sample(0, 1), Sample(1, 1), Sample(2, 1)])
+    released = []
+    while m.phase is not RankPhase.DONE:
+        contrib = m.fill(lambda: next(src, None))
+        result = m.all_gather([contrib])
+        assert all(not s.final for s in result.steps)
+        released.extend(buf.push(result))
+    assert [s.window for s in released] == [0, 0, 1]
+    assert [s.sync_gradients for s in released] == [False, True, True]
+    assert all(s.final for s in released) and buf.held == 0
+    assert [s.loss_scale for s in released] == [0.5, 0.5, 1.0]
+    assert [(w.end, w.loss) for w in m.windows] == [(2, 2), (3, 1)]
+
+
+def test_zero_loss_window_has_scale_zero() -> None:
+    c = cfg(world_size=1)
+    m = RankMachine(0, c)
+    src = iter([Sample(0, 3, loss_tokens=0)])
+    result = m.all_gather([m.fill(lambda: next(src, None))])
+    (info,) = WindowBuffer(c).push(result)
+    assert info.global_loss_tokens == 0 and info.loss_scale == 0.0 and not info.is_pad
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"grad_accum_steps": 0}, "grad_accum_steps=0"),
+        ({"grad_accum_steps": 1.5}, "grad_accum_steps=1.5"),
+        ({"tokens_per_update": 0}, "tokens_per_update=0"),
+        ({"tokens_per_update": -3}, "tokens_per_update=-3"),
+        ({"grad_accum_steps": 2, "tokens_per_update": 10}, "grad_accum_steps=2 and"),
+    ],
+)
+def test_window_config_errors_name_the_value(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        cfg(**kw)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", float("nan")])
+def test_loss_token_count_must_be_a_non_negative_integer(bad: object) -> None:
+    with pytest.raises(SampleError, match="loss_tokens="):
+        make_sample(0, 5, loss_tokens=bad)
+
+
+def test_truncation_keeps_loss_tokens_within_the_kept_tokens() -> None:
+    m = RankMachine(0, cfg(world_size=1, oversize=OversizePolicy.TRUNCATE, budget=Budget(4)))
+    m.observe(Sample(0, 9, loss_tokens=6))
+    m.observe(Sample(1, 9))
+    kept = sorted(m.buffer.values())
+    assert [(s.tokens, s.loss) for s in kept] == [(4, 4), (4, 4)]
 
 
 def test_packed_default_cost_model() -> None:

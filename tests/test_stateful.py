@@ -20,13 +20,14 @@ from hypothesis.stateful import (
 )
 
 from odb_core.bugs import BugVariant
-from odb_core.config import Mode, OversizePolicy, ProtocolConfig
+from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
 from odb_core.cost import AttentionAware, Budget, PackedTokens, PaddedTokens
 from odb_core.formers import FormerKind
 from odb_core.invariants import INVARIANTS
 from odb_core.model import Action, GlobalModel, GlobalState, ModelConfig
 from odb_core.protocol import RankMachine, StepInfo, rounds_bound, steps_bound
 from odb_core.sample import Sample
+from odb_core.window import WindowBuffer
 
 
 @st.composite
@@ -35,12 +36,21 @@ def model_configs(draw: st.DrawFn) -> ModelConfig:
     n = draw(st.integers(0, 300))
     budget = draw(st.integers(8, 400))
     lengths = draw(st.lists(st.integers(1, budget), min_size=n, max_size=n))
+    # Loss tokens apart from cost (masked prompts), or unset (every token counts).
+    masked = draw(st.booleans())
+    loss = [
+        rng_loss % (length + 1)
+        for rng_loss, length in zip(
+            draw(st.lists(st.integers(0, 10**6), min_size=n, max_size=n)), lengths, strict=True
+        )
+    ]
     # Uneven shards: each sample goes to a rank drawn with a skewed weight.
     weights = draw(st.lists(st.integers(1, 10), min_size=world, max_size=world))
     rng = random.Random(draw(st.integers(0, 2**32)))
     owners = rng.choices(range(world), weights=weights, k=n)
     mode = draw(st.sampled_from(list(Mode)))
     quota = draw(st.none() | st.integers(1, max(1, n))) if mode is Mode.QUOTA else None
+    window = draw(st.sampled_from(["none", "steps", "tokens"]))
     protocol = ProtocolConfig(
         world_size=world,
         budget=Budget(budget, max_samples=draw(st.none() | st.integers(1, 16))),
@@ -56,9 +66,17 @@ def model_configs(draw: st.DrawFn) -> ModelConfig:
         # Lengths fit the packed budget but may not fit padded/attention costs:
         # exercise both admitting policies.
         oversize=draw(st.sampled_from([OversizePolicy.SOLO, OversizePolicy.TRUNCATE])),
+        loss_normalization=draw(st.sampled_from(list(LossNormalization))),
+        grad_accum_steps=draw(st.integers(1, 6)) if window == "steps" else None,
+        tokens_per_update=draw(st.integers(1, 4 * budget)) if window == "tokens" else None,
     )
     shards = tuple(
-        tuple(Sample(i, lengths[i]) for i in range(n) if owners[i] == r) for r in range(world)
+        tuple(
+            Sample(i, lengths[i], loss_tokens=loss[i] if masked else None)
+            for i in range(n)
+            if owners[i] == r
+        )
+        for r in range(world)
     )
     return ModelConfig(protocol, shards)
 
@@ -75,12 +93,18 @@ class DGAPMachine(RuleBasedStateMachine):
         self.model = GlobalModel(cfg)
         self.state = self.model.init()
         self.emitted: dict[int, list[StepInfo]] = defaultdict(list)
+        # What each rank's training loop gets: decided steps released, final, when
+        # their optimizer window closes.
+        self.buffers = [WindowBuffer(cfg.protocol) for _ in range(cfg.protocol.world_size)]
+        self.released: list[list[StepInfo]] = [[] for _ in self.buffers]
 
     def _apply(self, action: Action) -> None:
         self.state, result = self.model.step_with_output(self.state, action)
         if result is not None:
+            assert action.rank is not None
             for info in result.steps:
                 self.emitted[info.step].append(info)
+            self.released[action.rank].extend(self.buffers[action.rank].push(result))
 
     @precondition(lambda self: not self.state.all_done)
     @rule(data=st.data())
@@ -118,12 +142,46 @@ class DGAPMachine(RuleBasedStateMachine):
     def exact_loss_scaling(self) -> None:
         world = self.model.world
         for step, infos in self.emitted.items():
-            assert len({(i.global_samples, i.global_tokens) for i in infos}) == 1, step
+            glob = {(i.global_samples, i.global_tokens, i.global_loss_tokens) for i in infos}
+            assert len(glob) == 1, step
             if len(infos) == world:
                 assert sum(i.local_samples for i in infos) == infos[0].global_samples
                 assert sum(i.local_tokens for i in infos) == infos[0].global_tokens
-                if infos[0].global_tokens:
-                    assert abs(sum(i.loss_scale for i in infos) - world) < 1e-9
+                assert sum(i.local_loss_tokens for i in infos) == infos[0].global_loss_tokens
+
+    @invariant()
+    def window_alignment(self) -> None:
+        """Released steps: every rank the same windows and boundaries; each closed
+        window's DDP-averaged scaled loss is exactly the global mean over it."""
+        world = self.model.world
+        n = min(len(r) for r in self.released)
+        views = [
+            [
+                (s.step, s.window, s.sync_gradients, s.window_samples, s.window_loss_tokens)
+                for s in r[:n]
+            ]
+            for r in self.released
+        ]
+        assert all(v == views[0] for v in views), "ranks disagree on the windows"
+        by_window: dict[int, list[StepInfo]] = defaultdict(list)
+        for r in self.released:
+            for s in r[:n]:
+                assert s.final
+                by_window[s.window].append(s)
+        tokens = self.cfg.protocol.loss_normalization is LossNormalization.TOKENS
+        for w, steps in by_window.items():
+            # Per-token loss x(rank, step), constant within a batch: the global mean
+            # over the window weights each batch by its loss tokens (or samples).
+            x = {(s.rank, s.step): 1.0 + ((s.rank * 7919 + s.step * 104729) % 97) for s in steps}
+            weight = [s.local_loss_tokens if tokens else s.local_samples for s in steps]
+            total = sum(weight)
+            assert total == (steps[0].window_loss_tokens if tokens else steps[0].window_samples)
+            if total == 0:
+                assert all(s.loss_scale == 0.0 for s in steps), w
+                continue
+            want = sum(wt * x[s.rank, s.step] for wt, s in zip(weight, steps, strict=True)) / total
+            got = sum(x[s.rank, s.step] * s.loss_scale for s in steps) / world
+            assert abs(got - want) <= 1e-9 * max(1.0, abs(want)), (w, got, want)
 
     def teardown(self) -> None:
         if not hasattr(self, "model"):
@@ -140,6 +198,9 @@ class DGAPMachine(RuleBasedStateMachine):
         assert steps.pop() <= steps_bound(per_rank)
         assert max(r.round for r in self.state.ranks) <= rounds_bound(per_rank)
         self.exact_loss_scaling()
+        assert all(b.held == 0 for b in self.buffers), "a window outlived its epoch"
+        assert len({len(r) for r in self.released}) == 1
+        self.window_alignment()
 
 
 SETTINGS = settings(
@@ -161,6 +222,8 @@ TestDGAP.settings = SETTINGS
         BugVariant.IGNORE_BUDGET,
         BugVariant.SILENT_STOP,
         BugVariant.QUOTA_FORGETS_LEDGER,
+        BugVariant.LOSS_BY_COST,
+        BugVariant.WINDOW_BY_LOCAL,
     ],
     ids=lambda b: b.value,
 )

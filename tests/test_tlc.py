@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 from dataclasses import replace
 from functools import lru_cache
@@ -21,6 +22,7 @@ import pytest
 
 from odb_core import tlc
 from odb_core.bugs import BugVariant
+from odb_core.checker import check
 from odb_core.cli import main
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import AttentionAware, Budget
@@ -46,7 +48,8 @@ def manifest_results() -> dict[str, tlc.TLCResult]:
     """Every manifest model, run once; conformance models keep their state graph."""
     keep = Path(tempfile.mkdtemp(prefix="odb-tlc-tests-"))
     atexit.register(shutil.rmtree, keep, True)
-    return tlc.run_manifest(MANIFEST, parallel=2, keep_dir=keep, timeout=300)
+    parallel = int(os.environ.get("ODB_TLC_PARALLEL", "2"))  # 1 on a shared machine
+    return tlc.run_manifest(MANIFEST, parallel=parallel, keep_dir=keep, timeout=300)
 
 
 # ---- no Java needed ---------------------------------------------------------
@@ -88,6 +91,29 @@ def test_ok_models_check_everything_with_small_bounds() -> None:
     for m in ok:
         assert set(m.check.invariants) >= set(tlc.SPEC_INVARIANTS)
         assert m.check.properties == ("Termination",) and m.check.deadlock
+        assert m.expect["distinct_states"] < 20_000, "keep the models small"
+
+
+def test_window_models_cover_both_rules_loss_apart_from_cost_and_quota() -> None:
+    windowed = [
+        m
+        for m in MANIFEST
+        if m.generated and m.bug is None and m.expected == "ok" and m.conformance
+        if m.grad_accum_steps is not None or m.tokens_per_update is not None
+    ]
+    assert any(m.grad_accum_steps and m.mode == "join" for m in windowed)
+    assert any(m.tokens_per_update for m in windowed)
+    assert any(m.grad_accum_steps and m.mode == "quota" for m in windowed)
+    assert {m.world_size for m in windowed} == {2, 3}
+    for m in windowed:
+        assert m.loss is not None and list(m.loss) != list(m.costs)
+        cfg = m.model_config()
+        assert cfg.protocol.grad_accum_steps == m.grad_accum_steps
+        assert cfg.protocol.tokens_per_update == m.tokens_per_update
+        assert [cfg.sample(i).loss for i in range(cfg.n_samples)] == list(m.loss)
+        scalars = tlc.spec_constants(cfg).scalars
+        assert scalars["AccumSteps"] == str(m.grad_accum_steps or 1)
+        assert scalars["TokensPerUpdate"] == str(m.tokens_per_update or 0)
 
 
 def test_mirrored_bug_models_are_the_python_bug_models() -> None:
@@ -99,7 +125,16 @@ def test_mirrored_bug_models_are_the_python_bug_models() -> None:
         want = bug.model()
         got = m.model_config(bug.machine)
         assert got.shards == want.shards and got.machine is want.machine
-        for field in ("world_size", "buffer_size", "mode", "max_steps_per_round", "budget"):
+        fields = (
+            "world_size",
+            "buffer_size",
+            "mode",
+            "max_steps_per_round",
+            "budget",
+            "grad_accum_steps",
+            "tokens_per_update",
+        )
+        for field in fields:
             assert getattr(got.protocol, field) == getattr(want.protocol, field), field
 
 
@@ -164,6 +199,42 @@ def test_model_as_pinned(name: str) -> None:
         actions = {t.action for t in r.trace[1:]} - {"Stuttering"}
         known = {"Observe", "Exhaust", "Form", "Contribute", "AllGather", "Receive"}
         assert actions <= (known if m.generated else {"IndNext"})
+
+
+def test_liveness_is_checked_on_the_final_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-lncheck final`: TLC's periodic liveness checks ran on a timer, so under load
+    a liveness-violating model stopped after a different number of states."""
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kw: object) -> object:
+        seen.append(cmd)
+        raise subprocess.TimeoutExpired(cmd, 0)
+
+    monkeypatch.setattr(tlc, "find_java", lambda: "java")
+    monkeypatch.setattr(tlc, "find_jar", lambda: Path("tla2tools.jar"))
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    res = tlc.run_model(BY_NAME["MCno_fairness_bug"])
+    assert res.result == "timeout"
+    (cmd,) = seen
+    assert cmd[cmd.index("-lncheck") + 1] == "final"
+
+
+@pytest.mark.tlc
+def test_loss_and_window_bug_models_break_the_named_guarantee() -> None:
+    """Counting cost tokens as loss tokens breaks ExactLossScaling; closing windows
+    on a rank's own loss tokens breaks WindowAlignment: ranks end up with different
+    windows (TLC), and the Python twins in bugs.py are caught by the checker too."""
+    require_tlc()
+    results = manifest_results()
+    loss, window = results["MCloss_by_cost_bug"], results["MCwindow_by_local_bug"]
+    assert loss.verdict == "invariant:ExactLossScaling"
+    assert window.verdict == "invariant:WindowAlignment"
+    last = window.trace[-1].state
+    views = [tlc.to_plain(last["windows"]), tlc.to_plain(last["window_loss"])]
+    assert views[0][0] != views[0][1] or views[1][0] != views[1][1], window.format_trace()
+    for bug in (BugVariant.LOSS_BY_COST, BugVariant.WINDOW_BY_LOCAL):
+        report = check(bug.model(), properties=[bug.violates])
+        assert bug.violates in report.violated(), bug
 
 
 @pytest.mark.tlc
@@ -232,12 +303,12 @@ def test_cli_runs_tlc_and_the_python_checker(capsys: pytest.CaptureFixture[str])
     assert rc == 0 and out["ok"] and out["graphs_equal"] is True
     assert [m["name"] for m in out["models"]] == ["MCjoin_w2_n4_k1", "MCno_pads_bug"]
     ok, bug = out["models"]
-    assert ok["python"]["states"] == ok["distinct_states"] == 354
+    assert ok["python"]["states"] == ok["distinct_states"] == 393
     assert bug["result"] == "invariant:StepAlignment" and bug["python"]["caught"]
     assert out["conformance"][0]["equal"] and out["elapsed_s"] > 0
     rc = main(["check", "--engine", "tlc", "--adhoc", "--ranks", "2", "--samples", "4"])
     text = capsys.readouterr().out
-    assert rc == 0 and "TLC ok" in text and "states 354" in text
+    assert rc == 0 and "TLC ok" in text and "states 393" in text
 
 
 @pytest.mark.tlc
@@ -250,12 +321,12 @@ def test_cli_reports_a_model_that_differs_from_its_pins(
     data = json.loads((spec / "manifest.json").read_text())
     for d in data["models"]:
         if d["name"] == "MCjoin_w2_n4_k1":
-            d["expect"]["distinct_states"] = 353
+            d["expect"]["distinct_states"] = 392
     (spec / "manifest.json").write_text(json.dumps(data))
     monkeypatch.setenv(tlc.SPEC_ENV, str(spec))
     rc = main(["check", "--engine", "tlc", "--model", "MCjoin_w2_n4_k1"])
     text = capsys.readouterr().out
-    assert rc == 1 and "DIFFERS" in text and "distinct_states 354 != pinned 353" in text
+    assert rc == 1 and "DIFFERS" in text and "distinct_states 393 != pinned 392" in text
 
 
 @pytest.mark.tlc

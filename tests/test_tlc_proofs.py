@@ -1,6 +1,7 @@
-"""The bounds and the determinism argument of proofs/, checked exhaustively with the
-Python model (the TLC side is in tests/test_tlc.py: BoundedTermination, the bound
-witnesses, the inductive-invariant models)."""
+"""The bounds, the determinism argument and how an epoch's optimizer windows end
+(proofs/), checked exhaustively with the Python model (the TLC side is in
+tests/test_tlc.py: BoundedTermination, the bound witnesses, the inductive-invariant
+models, WindowAlignment)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,70 @@ def test_no_schedule_exceeds_the_bounds(mode: Mode, world: int, n: int, k: int, 
     if k == 1 and mode is Mode.JOIN:
         # With a window of one, some schedule takes every action the bound counts.
         assert r.longest_schedule == schedule_bound(cfg)
+
+
+WINDOWED = [
+    # (world, costs, loss, K, mode, quota, window option)
+    (2, [1, 2, 3, 1, 2], [0, 2, 1, 1, 0], 1, Mode.JOIN, None, {"grad_accum_steps": 2}),
+    (2, [1, 2, 3, 1, 2, 3], [1, 0, 1, 1, 0, 1], 2, Mode.JOIN, None, {"tokens_per_update": 3}),
+    (3, [1, 2, 3, 1, 2, 3], [0, 1, 2, 1, 1, 0], 1, Mode.JOIN, None, {"tokens_per_update": 3}),
+    (
+        2,
+        [1, 2, 3, 1, 2, 3, 1, 2],
+        [0, 1, 2, 1, 1, 0, 1, 1],
+        2,
+        Mode.QUOTA,
+        3,
+        {"grad_accum_steps": 2},
+    ),
+    (2, [1, 2, 3, 1, 2, 3], [0, 1, 2, 1, 1, 0], 1, Mode.QUOTA, None, {"grad_accum_steps": 2}),
+    (3, [4, 4, 4, 4, 4], [0, 0, 1, 0, 0], 1, Mode.JOIN, None, {"grad_accum_steps": 3}),
+]
+
+
+@pytest.mark.parametrize(("world", "costs", "loss", "k", "mode", "quota", "window"), WINDOWED)
+def test_every_epoch_ends_with_its_last_window_closed_and_exact(
+    world: int,
+    costs: list[int],
+    loss: list[int],
+    k: int,
+    mode: Mode,
+    quota: int | None,
+    window: dict[str, int],
+) -> None:
+    """proofs/window_alignment.md, on every terminal state: the last window closes
+    with the epoch on every rank, the windows partition the steps, every rank
+    has the same windows, and the windows' loss tokens are exactly those of the
+    samples emitted (each window's the sum of the ranks' own)."""
+    protocol = ProtocolConfig(
+        world_size=world,
+        budget=Budget(4),
+        buffer_size=k,
+        mode=mode,
+        quota=quota,
+        max_steps_per_round=2,
+        **window,  # type: ignore[arg-type]
+    )
+    cfg = ModelConfig(protocol, round_robin_shards(costs, world, loss))
+    r = check(cfg, keep_graph=True)
+    assert r.ok and r.graph is not None
+    terminal = [d["state"] for n, d in r.graph.nodes(data=True) if r.graph.out_degree(n) == 0]
+    assert terminal and len(terminal) == r.terminal_states
+    g, t = protocol.accum_steps, protocol.tokens_per_update
+    for state in terminal:
+        ranks = state.ranks
+        assert len({tuple((w.end, w.loss) for w in rs.windows) for rs in ranks}) == 1
+        emitted = sum(loss[i] for i, d in enumerate(state.delivered) if d)
+        for rs in ranks:
+            assert rs.window_loss == rs.window_local == 0
+            assert (rs.windows[-1].end if rs.windows else 0) == rs.steps
+            assert sum(w.loss for w in rs.windows) == emitted
+            if t is None:
+                assert len(rs.windows) == -(-rs.steps // g)
+            else:
+                assert all(w.loss >= t for w in rs.windows[:-1])
+        for i, w in enumerate(ranks[0].windows):
+            assert sum(rs.windows[i].local for rs in ranks) == w.loss
 
 
 def emissions(cfg: ModelConfig) -> set[Emission]:

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
 import odb_core.trace as odb_trace  # noqa: E402
-from odb_core import ODBDataLoader  # noqa: E402
+from odb_core import ODBDataLoader, StepMeta, step_meta  # noqa: E402
 from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.trace import ProtocolTrace, validate_trace  # noqa: E402
 
@@ -55,6 +55,16 @@ class DelayedText(Dataset[dict[str, Any]]):
         return {"input_ids": torch.full((length_of(i),), i % 100)}
 
 
+class DelayedChat(DelayedText):
+    """DelayedText with labels: the first third of each sample is a masked prompt."""
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        out = super().__getitem__(i)
+        labels = out["input_ids"].clone()
+        labels[: len(labels) // 3] = -100
+        return {**out, "labels": labels, "idx": torch.tensor(i)}
+
+
 class Stream(IterableDataset[dict[str, Any]]):
     def __init__(self, n: int, max_delay: float = 0.0) -> None:
         self.n = n
@@ -69,7 +79,10 @@ class Stream(IterableDataset[dict[str, Any]]):
 
 def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     ids = [s["input_ids"] for s in samples]
-    return {"input_ids": torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)}
+    out = {"input_ids": torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)}
+    if "idx" in samples[0]:
+        out["idx"] = torch.stack([s["idx"] for s in samples])
+    return out
 
 
 def make_loader(rank: int, world: int, spec: dict[str, Any]) -> ODBDataLoader:
@@ -80,6 +93,8 @@ def make_loader(rank: int, world: int, spec: dict[str, Any]) -> ODBDataLoader:
     kw.setdefault("peer_timeout", 30)
     if spec.get("iterable"):
         ds: Any = Stream(spec["n"], spec.get("delay", 0.0))
+    elif spec.get("chat"):
+        ds = DelayedChat(spec["n"], spec.get("delay", 0.0))
     else:
         ds = DelayedText(spec["n"], spec.get("delay", 0.0))
     if "shards" in spec:
@@ -94,6 +109,9 @@ def step_record(loader: ODBDataLoader, batch: dict[str, Any]) -> list[Any]:
     info = loader.step_info
     assert info is not None
     assert batch["input_ids"].shape[0] == max(1, info.local_samples)
+    meta = step_meta(batch)  # in band, pads included
+    assert meta == StepMeta.from_info(info) and meta.world_size == loader.world_size
+    assert meta.is_pad == info.is_pad and meta.loss_scale == info.loss_scale
     return [
         info.step,
         info.is_pad,
@@ -103,6 +121,12 @@ def step_record(loader: ODBDataLoader, batch: dict[str, Any]) -> list[Any]:
         info.local_tokens,
         info.global_tokens,
         info.loss_scale,
+        info.window,
+        info.sync_gradients,
+        info.local_loss_tokens,
+        info.global_loss_tokens,
+        info.window_loss_tokens,
+        info.window_samples,
     ]
 
 
@@ -183,6 +207,57 @@ def run_resume_phase_b(rank: int, world: int, spec: dict[str, Any]) -> dict[str,
     return {"after": [step_record(loader, b) for b in loader]}
 
 
+def run_windows(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Each loader config of spec["configs"], for spec["epochs"] epochs without
+    set_epoch (the loader advances them itself)."""
+    out = []
+    for extra in spec["configs"]:
+        loader = make_loader(rank, world, {**spec, "loader": {**spec["loader"], **extra}})
+        epochs = []
+        for _ in range(spec["epochs"]):
+            epochs.append([step_record(loader, b) for b in loader])
+            epochs[-1].append(loader.epoch)
+        out.append(epochs)
+    return {"configs": out}
+
+
+def _trace(loader: ODBDataLoader, batches: Any) -> list[Any]:
+    out = []
+    for b in batches:
+        info = loader.step_info
+        assert info is not None
+        out.append([list(step_meta(b)), list(info.sample_ids), b["idx"].tolist()])
+    return out
+
+
+def run_exact_resume(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Deterministic: the uninterrupted epoch, then stop at spec["stop_at"], save, and
+    resume in a fresh loader (same world size): the rest must be the same steps."""
+    full = make_loader(rank, world, spec)
+    whole = _trace(full, full)
+    cut = make_loader(rank, world, spec)
+    it = iter(cut)
+    head = _trace(cut, (next(it) for _ in range(spec["stop_at"])))
+    state = json.loads(json.dumps(cut.state_dict()))
+    again = make_loader(rank, world, spec)
+    again.load_state_dict(state)
+    return {"whole": whole, "head": head, "rest": _trace(again, again)}
+
+
+def run_epoch_disagreement(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 lets the loader advance to epoch 1; rank 1 repeats epoch 0."""
+    loader = make_loader(rank, world, spec)
+    for _ in loader:
+        pass
+    if rank == 1:
+        loader.set_epoch(0)
+    try:
+        steps = sum(1 for _ in loader)
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "message": str(exc), "epoch": loader.epoch}
+    return {"raised": None, "steps": steps, "epoch": loader.epoch}
+
+
 def _rank_entry(rank: int, world: int, port: int, fn: str, spec: dict[str, Any], out: str) -> None:
     init_local_gloo(rank, world, port, timeout_s=60)
     try:
@@ -235,7 +310,8 @@ def ok_results(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
 
 def check_aligned(per_rank: list[list[list[Any]]], world: int) -> list[int]:
     """Equal step counts, identical global metadata, local parts summing to the
-    global counts, pads flagged with scale 0; returns every real id emitted."""
+    global counts, pads flagged with scale 0, scales summing to the step's share of
+    its window; returns every real id emitted."""
     counts = [len(s) for s in per_rank]
     assert len(set(counts)) == 1, f"step counts differ across ranks: {counts}"
     ids: list[int] = []
@@ -250,7 +326,11 @@ def check_aligned(per_rank: list[list[list[Any]]], world: int) -> list[int]:
             if row[1]:
                 assert row[2] == [] and row[3] == 0 and row[7] == 0.0
             ids.extend(row[2])
-        assert sum(row[7] for row in rows) == pytest.approx(world)
+        # Over the ranks, the step's share of its window's global mean (1 window =
+        # 1 step without accumulation: the scales sum to W).
+        window_loss, step_loss = rows[0][12], rows[0][11]
+        share = world * step_loss / window_loss if window_loss else 0.0
+        assert sum(row[7] for row in rows) == pytest.approx(share)
     return ids
 
 
@@ -446,3 +526,89 @@ def test_hung_peer_raises_within_peer_timeout(tmp_path: Path) -> None:
     assert res is not None and res["ok"], res
     assert res["raised"] == "ODBPeerError", res
     assert res["after_s"] < timeout + 3, res
+
+
+def check_windows(per_rank: list[list[list[Any]]], world: int) -> None:
+    """Every rank has the same (window, sync_gradients, window loss tokens) sequence;
+    the ranks' local loss tokens over a window sum to its window_loss_tokens; every
+    window ends with one sync step; the scales sum to W over a window."""
+    seqs = [[(row[8], row[9], row[12], row[13]) for row in steps] for steps in per_rank]
+    assert all(s == seqs[0] for s in seqs), "ranks disagree on the windows"
+    windows: dict[int, list[list[Any]]] = {}
+    for steps in per_rank:
+        for row in steps:
+            windows.setdefault(row[8], []).append(row)
+    assert sorted(windows) == list(range(len(windows)))
+    for w, rows in windows.items():
+        assert sum(row[10] for row in rows) == rows[0][12], f"window {w}: local sums differ"
+        assert sum(row[11] for row in rows) == world * rows[0][12]
+        assert sum(row[3] for row in rows) == rows[0][13]
+        assert sum(row[7] for row in rows) == pytest.approx(world)
+    for steps in per_rank:
+        syncs = [row[9] for row in steps]
+        assert syncs[-1], "the last (short) window did not close with the epoch"
+        ends = [row[8] for row, sync in zip(steps, syncs, strict=True) if sync]
+        assert ends == list(range(len(windows)))
+
+
+def test_two_ranks_windows_pads_and_auto_epochs(tmp_path: Path) -> None:
+    # Uneven shards give pad steps; each config runs 2 epochs without set_epoch.
+    shards = [list(range(0, 70)), list(range(70, 95))]
+    spec = {
+        "n": 95,
+        "chat": True,
+        "delay": 0.0005,
+        "epochs": 2,
+        "shards": shards,
+        "loader": {"num_workers": 0, "max_steps_per_round": 2},
+        "configs": [{"grad_accum_steps": 3}, {"tokens_per_update": 150, "prefetch_thread": False}],
+    }
+    results = ok_results(launch("run_windows", 2, spec, tmp_path))
+    for c, config in enumerate(spec["configs"]):
+        for e in range(2):
+            per_rank = [r["configs"][c][e][:-1] for r in results]
+            assert [r["configs"][c][e][-1] for r in results] == [e, e], "epoch not advanced"
+            ids = check_aligned(per_rank, 2)
+            assert_exactly_once(ids, list(range(95)))
+            check_windows(per_rank, 2)
+            assert any(row[1] for row in per_rank[1]), f"{config}: the short rank never padded"
+            if "grad_accum_steps" in config:
+                sizes = [row[8] for row in per_rank[0]]
+                counts = [sizes.count(w) for w in sorted(set(sizes))]
+                assert counts[:-1] == [3] * (len(counts) - 1) and 1 <= counts[-1] <= 3
+            else:
+                for w in set(row[8] for row in per_rank[0]):
+                    rows = [row for row in per_rank[0] if row[8] == w]
+                    before_last = sum(row[11] for row in rows[:-1])
+                    assert before_last < 150, "a tokens window stayed open past the threshold"
+
+
+def test_two_ranks_exact_deterministic_resume(tmp_path: Path) -> None:
+    spec = {
+        "n": 110,
+        "chat": True,
+        "stop_at": 5,
+        "loader": {
+            "num_workers": 1,
+            "multiprocessing_context": "fork",
+            "shuffle": True,
+            "deterministic": True,
+            "grad_accum_steps": 2,
+            "max_steps_per_round": 2,
+        },
+    }
+    results = ok_results(launch("run_exact_resume", 2, spec, tmp_path))
+    for r, res in enumerate(results):
+        whole, head, rest = res["whole"], res["head"], res["rest"]
+        assert len(whole) > 8
+        assert head == whole[:5], f"rank {r}: the interrupted run differs"
+        assert rest == whole[5:], f"rank {r}: the resumed run is not the uninterrupted one"
+    assert [len(r["whole"]) for r in results] == [len(results[0]["whole"])] * 2
+
+
+def test_ranks_in_different_epochs_fail_loudly(tmp_path: Path) -> None:
+    # Unshuffled, both epochs have the same order: only the epoch in the tag differs.
+    spec = {"n": 40, "loader": {"num_workers": 0, "peer_timeout": 20}}
+    for res in launch("run_epoch_disagreement", 2, spec, tmp_path, timeout=90):
+        assert res is not None and res["ok"], res
+        assert res["raised"] == "ODBPeerError" and "order digest" in res["message"], res

@@ -7,6 +7,8 @@ exactly once.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,6 +67,28 @@ def test_round_trip_is_plain_data() -> None:
     d = p.to_dict()
     assert d["done"] == [1, 2, 3] and d["base_done"] == [9]
     assert EpochProgress.from_dict(d) == p
+    q = replace(p, window=4, start_step=2, start_emitted=7, start_window=1)
+    d = q.to_dict()
+    assert (d["window"], d["start_step"], d["start_emitted"], d["start_window"]) == (4, 2, 7, 1)
+    assert EpochProgress.from_dict(d) == q
+
+
+def test_merged_state_starts_a_new_protocol_run_at_the_saved_step() -> None:
+    parts = [
+        replace(progress(2, r, {r}), window=3, start_step=1, start_emitted=2, start_window=1)
+        for r in range(2)
+    ]
+    g = merge(parts)
+    assert (g.start_step, g.start_emitted, g.start_window, g.window) == (5, 9, 3, 3)
+    with pytest.raises(ConfigError, match=r"window=4.*same step"):
+        merge([parts[0], replace(parts[1], window=4)])
+
+
+def test_an_older_state_version_is_refused_naming_it() -> None:
+    d = progress(2, 0, {1}).to_dict()
+    old = {k: v for k, v in d.items() if "window" not in k and not k.startswith("start_")}
+    with pytest.raises(ConfigError, match=r"version 1, expected 2: it was saved by an older"):
+        EpochProgress.from_dict({**old, "version": 1})
 
 
 def test_a_local_state_refuses_another_rank_or_world() -> None:
@@ -100,6 +124,8 @@ def test_merge_rejects_states_from_different_steps() -> None:
         ({"format": "nope"}, "not an ODBDataLoader state"),
         ({"version": 99}, "version 99"),
         ({"step": -1}, "step=-1"),
+        ({"start_step": -2}, "start_step=-2"),
+        ({"window": "x"}, "window='x'"),
         ({"done": ["a"]}, "done must be a list"),
     ],
 )

@@ -15,9 +15,10 @@ from test_tlc import BY_NAME, require_tlc
 
 from odb_core.cli import main
 from odb_core.conformance import record_random_trace
+from odb_core.errors import ConfigError
 from odb_core.formers import FormerKind
 from odb_core.model import ModelConfig
-from odb_core.tlc import linearize
+from odb_core.tlc import _trace_log, linearize
 from odb_core.trace import ProtocolTrace, validate_trace, validate_trace_tlc
 
 CONFIGS = [
@@ -27,6 +28,9 @@ CONFIGS = [
     "MCjoin_w2_n6_k2_det",
     "MCquota_w3_n8_k3",
     "MCbounds_w2_n5_k1",
+    "MCjoin_w2_n5_k1_g2",
+    "MCjoin_w3_n6_k1_t3",
+    "MCquota_w2_n8_k2_g2_q3",
 ]
 
 
@@ -65,6 +69,17 @@ def _bump_vector(t: ProtocolTrace) -> None:
     _events(t, 0, "Contribute")[0]["vector"][2] += 1  # samples of the first offered batch
 
 
+def _bump_loss_tokens(t: ProtocolTrace) -> None:
+    m = t.protocol["max_steps_per_round"]
+    vector = next(e["vector"] for e in _events(t, 0, "Contribute") if e["vector"][0] > 0)
+    vector[2 + 2 * m] += 1  # loss tokens of the first offered batch
+
+
+def _flip_window_boundary(t: ProtocolTrace) -> None:
+    receive = next(e for e in _events(t, 0, "Receive") if e["steps"])
+    receive["sync"][0] = not receive["sync"][0]
+
+
 def _swap_emitted_batch(t: ProtocolTrace) -> None:
     receive = next(e for e in _events(t, 1, "Receive") if any(e["steps"]))
     step = next(s for s in receive["steps"] if s)
@@ -99,6 +114,8 @@ def _pad_as_real(t: ProtocolTrace) -> None:
 
 CORRUPTIONS: dict[str, Callable[[ProtocolTrace], None]] = {
     "vector": _bump_vector,
+    "loss-tokens": _bump_loss_tokens,
+    "window-boundary": _flip_window_boundary,
     "emitted-batch": _swap_emitted_batch,
     "done-flag": _flip_done,
     "missing-receive": _drop_last_receive,
@@ -112,6 +129,8 @@ CORRUPTIONS: dict[str, Callable[[ProtocolTrace], None]] = {
 def test_corrupted_traces_are_rejected(corruption: str) -> None:
     require_tlc()
     trace = recorded("MCjoin_w3_n6_k1", 5)
+    if corruption in ("loss-tokens", "window-boundary"):
+        trace = recorded("MCjoin_w3_n6_k1_t3", 5)
     if corruption == "pad-as-real":
         trace = next(
             t
@@ -155,6 +174,41 @@ def test_a_run_the_spec_does_not_model_is_reported() -> None:
     cfg = replace(cfg, protocol=replace(cfg.protocol, former=FormerKind.BEST_FIT_DECREASING))
     report = validate_trace_tlc(record_random_trace(cfg, 0))
     assert not report.ok and "does not model" in report.reason
+
+
+def test_traces_carry_loss_tokens_and_window_boundaries() -> None:
+    trace = recorded("MCjoin_w2_n5_k1_g2", 0)
+    m = BY_NAME["MCjoin_w2_n5_k1_g2"]
+    assert trace.protocol["grad_accum_steps"] == 2
+    observed = [e["sample"] for rt in trace.ranks for e in rt.events if e["action"] == "Observe"]
+    assert m.loss is not None
+    assert sorted((s[0], s[4]) for s in observed) == list(enumerate(m.loss))
+    receives = [e for e in trace.ranks[0].events if e["action"] == "Receive"]
+    assert all(len(e["sync"]) == len(e["steps"]) for e in receives)
+    assert sum(x for e in receives for x in e["sync"]) >= 1
+    assert validate_trace(trace).ok
+
+
+@pytest.mark.tlc
+def test_traces_without_boundaries_still_validate() -> None:
+    """4-field samples (every token counts) and no `sync` are accepted; a version-1
+    trace (vectors without loss tokens) is refused by its version."""
+    require_tlc()
+    trace = recorded("MCjoin_w3_n6_k1", 2)
+    for rt in trace.ranks:
+        for e in rt.events:
+            if e["action"] == "Observe":
+                e["sample"] = e["sample"][:4]
+            e.pop("sync", None)
+    report = validate_trace(trace)
+    assert report.ok, report.reason
+    _, literals = _trace_log(trace, report.id_map, trace.protocol["max_steps_per_round"])
+    assert any(lit.startswith("Rcv(") for lit in literals)
+    assert not any(lit.startswith("RcvW(") for lit in literals)
+    tlc_report = validate_trace_tlc(trace)
+    assert tlc_report.ok, tlc_report.reason
+    with pytest.raises(ConfigError, match="version 1"):
+        ProtocolTrace.from_json({**trace.to_json(), "version": 1})
 
 
 def test_python_validator_rejects_an_unknown_emitted_id() -> None:

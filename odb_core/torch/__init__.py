@@ -1,4 +1,5 @@
-"""PyTorch adapters: `ODBDataLoader`, the gloo transport, loss scaling, resumable state.
+"""PyTorch adapters: `ODBDataLoader`, the gloo transport, loss scaling, in-band step
+metadata, resumable state.
 
 Importing this subpackage imports torch; `import odb_core` alone does not.
 """
@@ -7,7 +8,26 @@ from __future__ import annotations
 
 from odb_core.torch.loader import ODBDataLoader
 from odb_core.torch.loss import scale_loss
+from odb_core.torch.meta import (
+    STEP_META_KEY,
+    StepMeta,
+    causal_lm_loss,
+    pop_step_meta,
+    scaled_loss,
+    step_meta,
+)
 from odb_core.torch.source import SampleLoadError
 from odb_core.torch.state import merge_states
 
-__all__ = ["ODBDataLoader", "SampleLoadError", "merge_states", "scale_loss"]
+__all__ = [
+    "STEP_META_KEY",
+    "ODBDataLoader",
+    "SampleLoadError",
+    "StepMeta",
+    "causal_lm_loss",
+    "merge_states",
+    "pop_step_meta",
+    "scale_loss",
+    "scaled_loss",
+    "step_meta",
+]

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from odb_core.protocol import Contribution
 from odb_core.torch.loader import ODBDataLoader
 
 VOCAB = 512
@@ -125,7 +126,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
         "persistent_workers": workers > 0,
         "multiprocessing_context": ctx,
     }
-    odb_kw = {**common, "peer_timeout": 60}
+    odb_kw = {**common, "peer_timeout": 60, "step_meta": False}  # model(**batch) as is
     sampler: DistributedSampler[dict[str, torch.Tensor]] = DistributedSampler(
         ds, shuffle=True, seed=0
     )
@@ -169,7 +170,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
 def _allgather_latency(loader: ODBDataLoader, n: int = 200) -> float:
     """Seconds per all-gather of the loader's round vector on its gloo group, back to
     back on every rank (between epochs, so no protocol round is in flight)."""
-    vector = [0] * (2 + 2 * loader.config.max_steps_per_round)
+    vector = [0] * Contribution.vector_length(loader.config.max_steps_per_round)
     dist.barrier()
     start = time.perf_counter()
     for i in range(n):

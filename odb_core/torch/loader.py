@@ -7,6 +7,13 @@ processed samples; the per-rank `RankMachine` decides every batch, step count,
 pad, global count, loss scale and the end of the epoch; one gloo all-gather per
 round moves the machine's vector; the user's `collate_fn` builds each batch.
 
+Every yielded batch carries its step metadata in band (`odb_step`, see meta.py);
+steps are yielded once their optimizer window has closed (odb_core.window), so
+every step's loss scale normalises by its whole window. Iterating again after a
+completed epoch starts the next one. With `deterministic=True` a same-world-size
+resume is exact: it replays the interrupted protocol run and yields the very
+steps the uninterrupted run would have.
+
 Quota mode carries over (see odb_core.ledger): the ids a closed epoch did not
 emit (its ledger, gathered from every rank in one collective at the close) are
 the first samples of the next pass, dealt round-robin over the ranks, and are
@@ -41,18 +48,19 @@ from torch.utils.data import default_collate as _default_collate
 from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
 from odb_core.cost import Budget, CostModel
 from odb_core.errors import ConfigError, ODBError
+from odb_core.estimate import StepsEstimate
 from odb_core.formers import FormerKind
 from odb_core.ledger import Ledgers, ledger_ids, rank_order, without
 from odb_core.protocol import RankMachine, StepInfo
 from odb_core.resume import EpochProgress, fingerprint_mismatch, merge, partition
+from odb_core.torch.length import EpochLength, shard_sizes
 from odb_core.torch.loss import scale_loss
-from odb_core.torch.measure import CostFn, TruncateFn
+from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, TruncateFn, measure
 from odb_core.torch.pipeline import (
     Emitted,
     EpochPipeline,
     EpochSetup,
     EpochStats,
-    PadTemplate,
     _End,
 )
 from odb_core.torch.sharding import epoch_order, sampler_order
@@ -77,12 +85,14 @@ class ODBDataLoader:
     """Token-budget batches, formed after preprocessing, step-aligned across ranks.
 
     Swap `DataLoader(ds, batch_size=8, ...)` for `ODBDataLoader(ds, token_budget=...)`.
-    Iterating yields what `collate_fn` returns; `loader.step_info` is the
-    `StepInfo` of the batch just yielded (scale the loss with
-    `loader.scale_loss(loss)`). Under torch.distributed every rank yields the same
-    number of batches per epoch; in join mode (default) every sample of the epoch
-    is in exactly one real batch on one rank, and a rank with nothing left yields
-    pad batches (`step_info.is_pad`, loss scale 0).
+    Iterating yields what `collate_fn` returns plus the step's metadata under
+    `"odb_step"` (`pop_step_meta(batch)` takes it out; `scaled_loss` /
+    `causal_lm_loss` scale the loss); `loader.step_info` is the `StepInfo` of the
+    last batch yielded, which a prefetching trainer may already have moved past.
+    Under torch.distributed every rank yields the same number of batches per
+    epoch; in join mode (default) every sample of the epoch is in exactly one real
+    batch on one rank, and a rank with nothing left yields pad batches
+    (`step_info.is_pad`, loss scale 0).
 
     Arguments beyond DataLoader's: `token_budget` (per batch, under `cost_model`),
     `cost_fn(sample) -> tokens | (tokens, visual_tokens[, patches])` (default:
@@ -99,7 +109,12 @@ class ODBDataLoader:
     protocol trace of every epoch), `samples_per_fetch` (samples per worker
     round trip), `prefetch_thread` (form batches on a background thread, ahead of
     the training loop; False runs everything, your dataset included when
-    num_workers=0, in the thread that iterates, e.g. to debug it).
+    num_workers=0, in the thread that iterates, e.g. to debug it),
+    `loss_tokens_fn(sample) -> int` (tokens whose loss counts; default: the
+    `labels[label_shift:] != ignore_index` of a sample with `labels`, else all its
+    text tokens), `grad_accum_steps` / `tokens_per_update` (optimizer windows:
+    every G steps, or once the window's global loss tokens reach T), `step_meta`
+    (False: yield exactly collate_fn's output, without the `odb_step` key).
     """
 
     def __init__(
@@ -128,6 +143,12 @@ class ODBDataLoader:
         id_fn: Callable[[Any], object] | None = None,
         truncate_fn: TruncateFn | None = None,
         with_step_info: bool = False,
+        loss_tokens_fn: LossTokensFn | None = None,
+        label_shift: int = 1,
+        ignore_index: int = -100,
+        grad_accum_steps: int | None = None,
+        tokens_per_update: int | None = None,
+        step_meta: bool = True,
         trace_dir: str | Path | None = None,
         samples_per_fetch: int = 8,
         prefetch_thread: bool = True,
@@ -173,6 +194,15 @@ class ODBDataLoader:
                 raise ConfigError(f"{name}={value!r} must be a non-negative integer")
         if samples_per_fetch < 1:
             raise ConfigError(f"samples_per_fetch={samples_per_fetch!r} must be >= 1")
+        if isinstance(label_shift, bool) or not isinstance(label_shift, int) or label_shift < 0:
+            raise ConfigError(f"label_shift={label_shift!r} must be a non-negative integer")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise ConfigError(f"ignore_index={ignore_index!r} must be an integer")
+        if loss_tokens_fn is not None and not callable(loss_tokens_fn):
+            raise ConfigError(f"loss_tokens_fn={loss_tokens_fn!r} is not callable")
+        for name, flag in (("step_meta", step_meta), ("with_step_info", with_step_info)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name}={flag!r} must be a bool")
         iterable = isinstance(dataset, IterableDataset)
         if iterable and (shuffle or sampler is not None):
             raise ConfigError(
@@ -219,6 +249,8 @@ class ODBDataLoader:
             quota=quota,
             deterministic=deterministic,
             loss_normalization=loss_normalization,  # type: ignore[arg-type]
+            grad_accum_steps=grad_accum_steps,
+            tokens_per_update=tokens_per_update,
         )
         if (
             not iterable
@@ -237,6 +269,8 @@ class ODBDataLoader:
         self.cost_fn = cost_fn
         self.id_fn = id_fn
         self.truncate_fn = truncate_fn
+        self.loss_tokens = LossTokens(loss_tokens_fn, label_shift, ignore_index)
+        self.step_meta = step_meta
         self.seed = seed
         self.shuffle = shuffle
         self.sampler = sampler
@@ -281,21 +315,30 @@ class ODBDataLoader:
             sampler=sampler,
         )
         self._fingerprint["id_fn"] = id_fn is not None
+        self._fingerprint["loss_tokens_fn"] = loss_tokens_fn is not None
+        self._fingerprint["label_shift"] = label_shift
+        self._fingerprint["ignore_index"] = ignore_index
         digest_src = json.dumps(self._fingerprint, sort_keys=True, default=str)
         self._digest = zlib.crc32(digest_src.encode())
-        self._pad = PadTemplate()
         self._lock = threading.Lock()
         self._pipeline: EpochPipeline | None = None
         self._iteration = 0
         self._workers_started = False
         self._resume: EpochProgress | None = None
         self.epoch = 0
+        # The current epoch completed (iterated to its end, or loaded closed) and no
+        # set_epoch since: the next iter() starts epoch + 1.
+        self._advance = False
+        self._serial = 0  # bumped by set_epoch / load_state_dict: older iterators stop counting
         self.step_info: StepInfo | None = None
         self._carry: Ledgers = ()  # pending: into the running pass, or out of a closed one
         self.ledgers: Ledgers = ()  # per rank, of the last closed epoch
         self.ledger: tuple[int, ...] = ()  # all ranks' ids not emitted by the last closed epoch
         self.carried_in: tuple[int, ...] = ()  # ids the current pass started with
         self.epoch_stats: EpochStats | None = None  # of the last finished epoch
+        self._length = EpochLength(self.config)
+        self._next_window = 0  # the window a fresh protocol run would open next
+        self._start: tuple[int, int, int] = (0, 0, 0)  # (step, emitted, window) of the run
         self._reset_progress()
 
     # ---- DataLoader surface ------------------------------------------------
@@ -304,23 +347,38 @@ class ODBDataLoader:
         with self._lock:
             self._stop_pipeline()
             self._check_world()
+            if self._advance:
+                self._next_epoch()
             self._iteration += 1
             progress = self._resume if self._resume and self._resume.epoch == self.epoch else None
             self._resume = None
             self._reset_progress(progress)
             self.step_info = None
+            # Where this protocol run starts: the epoch's start, the saved step (a
+            # resume that keeps exactly-once), or, for an exact resume, the start of
+            # the run the state was saved from, which it replays.
+            exact = progress is not None and self._exact(progress)
+            plan = progress
+            skip_before, replay_ids = 0, frozenset[int]()
+            if progress is not None and exact:
+                plan = replace(progress, done=frozenset())
+                skip_before, replay_ids = progress.step, progress.done
+                self._start = (progress.start_step, progress.start_emitted, progress.start_window)
+            else:
+                self._start = (self._step, self._emitted, self._next_window)
+            step0, emitted0, window0 = self._start
             config = self.config
             if progress is not None and config.quota is not None:
-                left = config.quota - progress.emitted
+                left = config.quota - emitted0
                 if left <= 0:
                     self._closed = True
                 else:
                     config = replace(config, quota=left)
             if self._closed:
                 return iter(())
-            excluded = self._excluded(progress)
+            excluded = self._excluded(plan)
             self.carried_in = ledger_ids(self._carry)
-            shard, order_digest = self._start_source(progress, excluded)
+            shard, order_digest = self._start_source(plan, excluded, step0)
             machine_cls = RankMachine if self.trace_dir is None else TracingRankMachine
             trace_path = None
             if self.trace_dir is not None:
@@ -333,32 +391,74 @@ class ODBDataLoader:
                 source=iter(self._inner),
                 tag=(self._digest, order_digest, self._iteration),
                 excluded=excluded,
-                step_offset=self._step,
+                step_offset=step0,
                 collate=self.collate_fn,
                 cost_fn=self.cost_fn,
+                loss_tokens=self.loss_tokens,
                 id_fn=self.id_fn,
                 truncate_fn=self.truncate_fn,
                 pin=self._pin,
                 pad_fallback=functools.partial(_pad_fallback, self.dataset, self.rank),
                 shard=shard if self.id_fn is None else None,
                 trace_path=trace_path,
+                window_offset=window0,
+                step_meta=self.step_meta,
+                skip_before=skip_before,
+                replay_ids=replay_ids,
             )
             self._workers_started = self.num_workers > 0
-            self._pipeline = EpochPipeline(setup, self._pad, threaded=self.prefetch_thread)
+            self._pipeline = EpochPipeline(setup, threaded=self.prefetch_thread)
             self._pipeline.start()
-            return _EpochIterator(self, self._pipeline)
+            return _EpochIterator(self, self._pipeline, self._serial)
 
     def __len__(self) -> int:
-        raise TypeError(
-            "ODBDataLoader has no length: the number of steps of an epoch is decided online "
-            "from the samples' real costs (it is the same on every rank)"
-        )
+        """An upper estimate of the epoch's steps (`steps_estimate().upper`), for LR
+        schedules and progress bars. The real count is decided online and may
+        exceed it: never cut an epoch at len()."""
+        return self.steps_estimate().upper
+
+    def steps_estimate(self) -> StepsEstimate:
+        """The estimated steps of the current (or next) epoch, the same on every rank:
+        the core's former run on bootstrap draws of 256 measured samples (read once,
+        the first time this is asked), refined by the realised counts of finished
+        epochs (`epoch_steps`). Map-style datasets only."""
+        if self._iterable:
+            raise TypeError(
+                "ODBDataLoader over an IterableDataset has no length estimate: the stream's "
+                "size is unknown before it ends (the realised counts are in epoch_steps)"
+            )
+        size = len(self.dataset)
+
+        def measure_one(i: int) -> Any:
+            return measure(self.dataset[i], i, self.cost_fn)
+
+        return self._length.estimate(size, shard_sizes(size, self.world_size), measure_one)
+
+    @property
+    def epoch_steps(self) -> dict[int, int]:
+        """Realised aligned steps of each finished epoch (the same on every rank)."""
+        return dict(self._length.realised)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (its shuffle order); call it on every rank, as with
-        DistributedSampler. Forwarded to the dataset and sampler if they have one."""
+        DistributedSampler. Forwarded to the dataset and sampler if they have one.
+
+        Without it, iterating again after a completed epoch starts the next one;
+        naming the epoch that has just completed repeats it (with a warning)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
+        self._serial += 1
+        if self._advance and epoch == self.epoch:
+            warnings.warn(
+                f"set_epoch({epoch}) repeats epoch {epoch}, which has just completed (its "
+                "samples and order come again); iterating without set_epoch starts the "
+                "next epoch",
+                stacklevel=2,
+            )
+            if self._resume is not None and self._resume.closed:
+                self._resume = None
+            self._reset_progress()
+        self._advance = False
         if self._resume is not None and self._resume.epoch != epoch:
             if not self._resume.closed:
                 warnings.warn(
@@ -370,6 +470,9 @@ class ODBDataLoader:
         if epoch != self.epoch:
             self._reset_progress()
         self.epoch = epoch
+        self._forward_epoch(epoch, stacklevel=3)
+
+    def _forward_epoch(self, epoch: int, stacklevel: int) -> None:
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             if self._workers_started and self.persistent_workers:
@@ -377,9 +480,25 @@ class ODBDataLoader:
                     "persistent_workers=True: the dataset copies in the running workers do "
                     "not see set_epoch (a DataLoader limitation); only the main process copy "
                     "is updated",
-                    stacklevel=2,
+                    stacklevel=stacklevel,
                 )
             set_epoch(epoch)
+
+    def _next_epoch(self) -> None:
+        """The epoch completed and set_epoch was not called since: start the next."""
+        done = self.epoch
+        self._advance = False
+        self._resume = None
+        self.epoch = done + 1
+        self._reset_progress()
+        log.info(
+            "odb: rank %d: epoch %d completed; iterating again starts epoch %d (call "
+            "set_epoch(e) to choose the epoch)",
+            self.rank,
+            done,
+            self.epoch,
+        )
+        self._forward_epoch(self.epoch, stacklevel=4)
 
     @property
     def carried_count(self) -> int:
@@ -400,9 +519,16 @@ class ODBDataLoader:
         """Plain data: where this rank is in the epoch. Taken after a batch, a resume
         continues with the next one; every sample of the epoch is still emitted
         exactly once. Load it on the same rank at the same world size, or load the
-        list of every rank's state (same step) at any world size."""
+        list of every rank's state (same step) at any world size.
+
+        With `deterministic=True`, loading this rank's own state at the same world
+        size resumes *exactly*: the same steps, batches, pads and windows as the
+        uninterrupted run from the saved step on (the epoch's protocol run is
+        replayed from its start on every rank without collating the steps before
+        the saved one, so the samples done are read again)."""
         if self._resume is not None:
             return self._resume.to_dict()
+        start_step, start_emitted, start_window = self._start
         return EpochProgress(
             fingerprint=self._fingerprint,
             epoch=self.epoch,
@@ -414,6 +540,10 @@ class ODBDataLoader:
             rank=self.rank,
             done=frozenset(self._done),
             carry=self._carry,
+            window=self._next_window,
+            start_step=start_step,
+            start_emitted=start_emitted,
+            start_window=start_window,
         ).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -432,9 +562,13 @@ class ODBDataLoader:
         progress.excluded(self.world_size, self.rank)  # raises now if it cannot resume this rank
         with self._lock:
             self._stop_pipeline()
+            self._serial += 1
             self._resume = progress
             self._carry = progress.carry
             self.epoch = progress.epoch
+            # A state taken after the epoch's last batch: the epoch completed, so
+            # iterating starts the next one, as it would have in the saved run.
+            self._advance = progress.closed
 
     # ---- internals -------------------------------------------------------------
 
@@ -444,19 +578,38 @@ class ODBDataLoader:
         self._closed = False if progress is None else progress.closed
         self._base_done: frozenset[int] = frozenset() if progress is None else progress.base_done
         self._done: set[int] = set() if progress is None else set(progress.done)
+        self._next_window = 0 if progress is None else progress.window
+        # (step, emitted, window) where the current protocol run began
+        self._start = (
+            (0, 0, 0)
+            if progress is None
+            else (progress.start_step, progress.start_emitted, progress.start_window)
+        )
 
-    def _record(self, item: Emitted) -> None:
+    def _exact(self, progress: EpochProgress) -> bool:
+        """Resume exactly (replay) rather than only exactly-once: deterministic mode
+        and this rank's own state (so the same world size)."""
+        return self.config.deterministic and not progress.is_global
+
+    def _record(self, item: Emitted, serial: int) -> None:
         info = item.info
         self.step_info = info
         self._step = info.step + 1
         self._emitted += info.global_samples
         self._done.update(info.sample_ids)
+        # A fresh protocol run (a non-exact resume) opens a new window after this.
+        self._next_window = info.window + 1
         if item.last_of_epoch:
             self._closed = True
+            self._length.record(self.epoch, self._step)
+            self._advance = self._advance or serial == self._serial
             self._close_with(item.ledger)
 
-    def _end(self, end: _End) -> None:
+    def _end(self, end: _End, serial: int) -> None:
+        if not self._closed:
+            self._length.record(self.epoch, self._step)  # an epoch that ran no step
         self._closed = True
+        self._advance = self._advance or serial == self._serial
         self._close_with(end.ledger)
         self.epoch_stats = end.stats
 
@@ -482,13 +635,16 @@ class ODBDataLoader:
         return progress.excluded(self.world_size, self.rank)
 
     def _start_source(
-        self, progress: EpochProgress | None, excluded: frozenset[int]
+        self, progress: EpochProgress | None, excluded: frozenset[int], start_step: int
     ) -> tuple[list[int] | None, int]:
         """Point the inner loader at this rank's indices. Returns them (map-style) and
-        a digest of the epoch order, which every round's all-gather compares across
-        ranks: a sampler that is not seeded alike on every rank fails loudly."""
+        a digest of the epoch, the step the protocol run starts at and the epoch
+        order, which every round's all-gather compares across ranks: a sampler that
+        is not seeded alike on every rank, ranks in different epochs (one advanced
+        by itself, another told to repeat) or resuming differently fail loudly."""
+        head = [self.epoch, start_step]
         if self._index_sampler is None:
-            return None, 0
+            return None, zlib.crc32(array.array("q", head).tobytes())
         if self.sampler is not None:
             set_epoch = getattr(self.sampler, "set_epoch", None)
             if callable(set_epoch):
@@ -517,11 +673,10 @@ class ODBDataLoader:
             )
             shard = [i for i in shard if i not in excluded]
         self._index_sampler.indices = shard
-        digest = 0
+        flat = head
         if self.partition:
-            flat = [*order, -1, *ledger_ids(carry)]
-            digest = zlib.crc32(array.array("q", flat).tobytes())
-        return shard, digest
+            flat = [*head, *order, -1, *ledger_ids(carry)]
+        return shard, zlib.crc32(array.array("q", flat).tobytes())
 
     def _stop_pipeline(self) -> None:
         p = self._pipeline
@@ -571,9 +726,10 @@ class ODBDataLoader:
 
 
 class _EpochIterator:
-    def __init__(self, loader: ODBDataLoader, pipeline: EpochPipeline) -> None:
+    def __init__(self, loader: ODBDataLoader, pipeline: EpochPipeline, serial: int) -> None:
         self._loader = loader
         self._pipeline = pipeline
+        self._serial = serial
         self._finished = False
 
     def __iter__(self) -> _EpochIterator:
@@ -594,9 +750,9 @@ class _EpochIterator:
             raise
         if isinstance(item, _End):
             self._finished = True
-            self._loader._end(item)
+            self._loader._end(item, self._serial)
             raise StopIteration
-        self._loader._record(item)
+        self._loader._record(item, self._serial)
         return (item.batch, item.info) if self._loader.with_step_info else item.batch
 
 

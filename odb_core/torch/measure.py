@@ -1,8 +1,15 @@
-"""A processed sample's cost as the protocol sees it, and truncation of its data.
+"""A processed sample's cost as the protocol sees it, its loss tokens, and
+truncation of its data.
 
 Default cost: `len(sample["input_ids"])` text tokens, plus `sample["visual_tokens"]`
 and `sample["patches"]` when present (an int or a sequence, whose length counts).
 A user `cost_fn(sample)` returns `tokens` or `(tokens, visual_tokens[, patches])`.
+
+Loss tokens (the tokens whose loss counts, which the loss normalisation divides
+by) are measured apart from the cost: by default, for a mapping with `labels`,
+the count of `labels[label_shift:] != ignore_index` (a causal LM shifts its
+labels by one, so the first label never counts); without `labels`, None (every
+text token counts). `loss_tokens_fn(sample)` overrides it.
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ from odb_core.sample import Sample, make_sample
 
 CostFn = Callable[[Any], object]
 TruncateFn = Callable[[Any, int], Any]
+LossTokensFn = Callable[[Any], object]
 
 _FIELD = "input_ids"
+_LABELS = "labels"
 
 
 def _length(value: object) -> object:
@@ -60,8 +69,72 @@ def default_cost(sample: object, sample_id: int) -> tuple[object, object, object
     )
 
 
-def measure(sample: object, sample_id: int, cost_fn: CostFn | None) -> Sample:
+class LossTokens:
+    """How a sample's loss tokens are counted (picklable; see the module docstring)."""
+
+    def __init__(
+        self, fn: LossTokensFn | None = None, label_shift: int = 1, ignore_index: int = -100
+    ) -> None:
+        self.fn = fn
+        self.label_shift = label_shift
+        self.ignore_index = ignore_index
+
+    def __call__(self, sample: object, sample_id: int) -> int | None:
+        if self.fn is not None:
+            try:
+                value = self.fn(sample)
+            except SampleError:
+                raise
+            except Exception as exc:
+                raise SampleError(f"sample {sample_id}: loss_tokens_fn raised {exc!r}") from exc
+            if value is None:
+                return None
+            return make_sample(sample_id, 0, loss_tokens=value).loss_tokens
+        if not isinstance(sample, Mapping) or _LABELS not in sample:
+            return None
+        labels = sample[_LABELS]
+        if _FIELD in sample:
+            n_labels, n_ids = _length(labels), _length(sample[_FIELD])
+            if n_labels != n_ids:
+                raise SampleError(
+                    f"sample {sample_id}: {_LABELS} has length {n_labels!r} but {_FIELD} has "
+                    f"length {n_ids!r}; they must align token for token (pass "
+                    "loss_tokens_fn= for another layout)"
+                )
+        return count_loss_tokens(labels, self.label_shift, self.ignore_index, sample_id)
+
+
+def count_loss_tokens(labels: object, shift: int, ignore_index: int, sample_id: int) -> int:
+    """`labels[shift:] != ignore_index`, counted along the last axis; labels may be a
+    tensor ([L] or [1, L]), a numpy array or a sequence of ints."""
+    ne = getattr(labels, "ne", None)  # torch tensors
+    if callable(ne) and hasattr(labels, "shape"):
+        return int(labels[..., shift:].ne(ignore_index).sum().item())  # type: ignore[index]
+    if hasattr(labels, "shape") and hasattr(labels, "sum"):  # numpy arrays
+        return int((labels[..., shift:] != ignore_index).sum())  # type: ignore[index]
+    if isinstance(labels, (list, tuple)):
+        if labels and isinstance(labels[0], (list, tuple)):  # [[...]]: one row
+            return sum(count_loss_tokens(row, shift, ignore_index, sample_id) for row in labels)
+        return sum(1 for x in labels[shift:] if x != ignore_index)
+    raise SampleError(
+        f"sample {sample_id}: cannot count the loss tokens of labels of type "
+        f"{type(labels).__name__}; pass loss_tokens_fn="
+    )
+
+
+def measure(
+    sample: object,
+    sample_id: int,
+    cost_fn: CostFn | None,
+    loss_tokens: LossTokens | None = None,
+) -> Sample:
     """The validated Sample of a processed sample; SampleError names id and value."""
+    loss = None if loss_tokens is None else loss_tokens(sample, sample_id)
+    s = _measure_cost(sample, sample_id, cost_fn)
+    return s if loss is None else s._replace(loss_tokens=loss)
+
+
+def _measure_cost(sample: object, sample_id: int, cost_fn: CostFn | None) -> Sample:
     if cost_fn is None:
         t, v, p = default_cost(sample, sample_id)
         if type(t) is int and type(v) is int and type(p) is int and min(t, v, p) >= 0:
@@ -74,7 +147,7 @@ def measure(sample: object, sample_id: int, cost_fn: CostFn | None) -> Sample:
     except Exception as exc:
         raise SampleError(f"sample {sample_id}: cost_fn raised {exc!r}") from exc
     if isinstance(cost, Sample):
-        cost = tuple(cost)[1:]
+        return make_sample(sample_id, *tuple(cost)[1:])
     if isinstance(cost, tuple):
         if not 1 <= len(cost) <= 3:
             raise SampleError(

@@ -1,22 +1,33 @@
 """One epoch of the loader: the protocol loop that drives the rank's machine.
 
 The loop pulls processed samples from the inner DataLoader, feeds them to the
-`RankMachine`, moves each round's vector through the transport, and collates the
-agreed steps for the training loop. Every batching decision is the machine's;
-this module only does I/O. By default the loop runs on a thread and hands steps
-over through a queue; with `prefetch_thread=False` it runs inline, in the thread
-that iterates the loader.
+`RankMachine`, moves each round's vector through the transport, feeds each
+round's decided steps through a `WindowBuffer` (which releases them, final, when
+their optimizer window closes) and collates the released steps for the training
+loop. Every batching decision is the machine's; this module only does I/O. By
+default the loop runs on a thread and hands steps over through a queue; with
+`prefetch_thread=False` it runs inline, in the thread that iterates.
 
 Overlap and determinism. The thread may run at most `ROUNDS_AHEAD` rounds ahead
 of what the training loop has taken: it issues round r's all-gather only once
-the loop has taken every step of round r - ROUNDS_AHEAD - 1 (inline, round r+1's
-all-gather is issued when the loop asks for round r's first step). Since every
-rank runs the same steps per round, the rounds a rank has issued are a function
-of the steps its loop has taken, identical on all ranks; a loop that stops early
-at the same step on every rank leaves no half-issued collective behind. The
-all-gather of round r+1 is in flight while the loop trains on round r, and the
-loop observes more samples into the window while it waits (the machine allows
-prefetch in its WAITING phase).
+the loop has taken every step *released* by rounds < r - ROUNDS_AHEAD (a round
+that releases nothing, because its steps wait for their window to close,
+imposes nothing; the steps a round releases are already queued, so the gate
+never waits on a step that does not exist). Inline, round r+1's all-gather is
+issued before the steps round r released are handed out. Every rank releases
+the same steps in the same rounds, so the rounds a rank has issued are a
+function of the steps its loop has taken, identical on all ranks; a loop that
+stops early at the same step on every rank leaves no half-issued collective
+behind. The all-gather of round r+1 is in flight while the loop trains on round
+r, and the loop observes more samples into the window while it waits (the
+machine allows prefetch in its WAITING phase).
+
+Exact replay (deterministic resume). With `skip_before` set, the loop runs the
+epoch's protocol from the start of its incarnation, exactly as the interrupted
+run did (same rounds, so the collectives line up across ranks), but does not
+collate or yield the steps before `skip_before`: their samples are read again,
+but only their ids are kept, which must be the ids the state says this rank had
+emitted (or the replay raises: the dataset is not deterministic).
 
 Quota-mode close. When the final round lands, the rank's ledger (its window and
 ready batches at the close, plus the ids of its source order it never delivered)
@@ -37,24 +48,25 @@ from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from odb_core.config import Mode
+from odb_core.config import Mode, OversizePolicy
 from odb_core.errors import ConfigError, ODBError, ODBPeerError, SampleError
 from odb_core.ledger import Ledgers, validate_ledgers
-from odb_core.protocol import Contribution, RankMachine, StepInfo
+from odb_core.protocol import Contribution, RankMachine, StepInfo, _truncated_tokens
 from odb_core.sample import Sample
-from odb_core.torch.measure import CostFn, TruncateFn, default_truncate, measure
+from odb_core.torch.measure import CostFn, LossTokens, TruncateFn, default_truncate, measure
+from odb_core.torch.meta import StepMeta, attach_context, with_meta
 from odb_core.torch.source import LoadFailure, Record, SampleLoadError
 from odb_core.torch.transport import Gathering, Transport
 from odb_core.torch.wire import Packed, unpack
 from odb_core.trace import ProtocolTrace, TracingRankMachine
+from odb_core.window import WindowBuffer
 
 ROUNDS_AHEAD = 2
 
 
 class Emitted(NamedTuple):
-    info: StepInfo
+    info: StepInfo  # final (its window closed)
     batch: Any
-    last_of_round: bool
     last_of_epoch: bool
     ledger: Ledgers = ()  # on the last step of the epoch: every rank's ledger
 
@@ -98,16 +110,24 @@ class EpochSetup:
     step_offset: int
     collate: Callable[[list[Any]], Any]
     cost_fn: CostFn | None
+    loss_tokens: LossTokens
     id_fn: Callable[[Any], object] | None
     truncate_fn: TruncateFn | None
     pin: Callable[[Any], Any] | None
     pad_fallback: Callable[[], Any]
     shard: list[int] | None  # map-style: this rank's source order, for the quota ledger
     trace_path: Path | None
+    window_offset: int = 0  # windows of the epoch before this incarnation
+    step_meta: bool = True  # put the step metadata into each batch (meta.py)
+    # Exact replay: steps (absolute numbers) below this are run but not yielded, and
+    # the ids this rank emitted in them must be `replay_ids`.
+    skip_before: int = 0
+    replay_ids: frozenset[int] = frozenset()
 
 
 class PadTemplate:
-    """The raw sample a pad step collates: the shortest real sample seen so far."""
+    """The raw sample a pad step collates: the shortest of the rank's samples emitted
+    so far this epoch (offered in step order, so a replay builds the same pads)."""
 
     def __init__(self) -> None:
         self.sample: Any = None
@@ -124,17 +144,21 @@ class EpochPipeline:
     iterates (round r+1's all-gather is then issued before round r's steps are
     handed out, so it still overlaps training)."""
 
-    def __init__(self, setup: EpochSetup, pad: PadTemplate, *, threaded: bool) -> None:
+    def __init__(self, setup: EpochSetup, *, threaded: bool) -> None:
         self.s = setup
-        self._pad = pad
+        self._pad = PadTemplate()
         self._threaded = threaded
         self._queue: queue.Queue[Emitted | _Failure | _End] = queue.Queue()
         self._cv = threading.Condition()
-        self._taken_rounds = 0
+        self._taken = 0  # steps the loop has taken (a replay's skipped steps count)
+        self._released: list[int] = []  # steps released by rounds 0..q, cumulative
         self._stopping = False
         self._pending: deque[Record] = deque()
         self._raw: dict[int, Any] = {}
-        self._tokens: dict[int, int] = {}  # measured text tokens, before any truncation
+        self._cut: dict[int, int] = {}  # truncated before observing: id -> kept tokens
+        self._replayed: set[int] = set()
+        self._skipped = 0
+        self._replay_checked = setup.skip_before <= setup.step_offset
         self._emitted_ids: set[int] = set()
         self._collective_spans: list[tuple[float, float]] = []
         self._stall_spans: list[tuple[float, float]] = []
@@ -173,9 +197,9 @@ class EpochPipeline:
                 # DataLoader iterator for the cyclic GC, whose finalisation order makes
                 # torch's worker shutdown wait out its timeout.
                 del exc
-        if isinstance(item, Emitted) and item.last_of_round:
+        if isinstance(item, Emitted):
             with self._cv:
-                self._taken_rounds += 1
+                self._taken += 1
                 self._cv.notify_all()
         return item
 
@@ -250,16 +274,21 @@ class EpochPipeline:
         return final
 
     def _gate(self, r: int) -> bool:
+        """Round r may start once the loop has taken every step released by the
+        rounds before r - ROUNDS_AHEAD (the same count on every rank)."""
         if not self._threaded:
             return True  # the training loop drives
+        q = r - ROUNDS_AHEAD - 1
+        need = self._released[q] if q >= 0 else 0
         with self._cv:
-            while r > self._taken_rounds + ROUNDS_AHEAD and not self._stopping:
+            while self._taken < need and not self._stopping:
                 self._cv.wait()
-            return r <= self._taken_rounds + ROUNDS_AHEAD
+            return self._taken >= need
 
     def _rounds(self) -> Generator[Emitted, None, _End | _Failure]:
         m, t = self.s.machine, self.s.transport
         steps_per_round = m.config.max_steps_per_round
+        windows = WindowBuffer(m.config)
         deferred: list[Emitted] = []
         r = 0
         try:
@@ -284,7 +313,9 @@ class EpochPipeline:
                     self._collective_spans.append((start, time.perf_counter()))
                     self._collectives += 1
                 result = m.all_gather([Contribution.from_vector(v, steps_per_round) for v in rows])
-                steps = self._emit(result.steps, result.done)
+                released = windows.push(result)
+                steps = self._emit(released, result.done)
+                self._released.append(len(released) + (self._released[-1] if r else 0))
                 if result.done:
                     ledger = self._exchange(self._ledger(result.carried), m.round)
                     if steps:
@@ -305,16 +336,59 @@ class EpochPipeline:
                 with contextlib.suppress(ODBError):
                     g.wait()
 
-    def _emit(self, infos: tuple[StepInfo, ...], done: bool) -> list[Emitted]:
+    def _emit(self, infos: list[StepInfo], done: bool) -> list[Emitted]:
         out = []
         n = len(infos)
+        config = self.s.machine.config
+        skipped = 0
         for j, info in enumerate(infos):
             self._emitted_ids.update(info.sample_ids)
+            if self.s.step_offset or self.s.window_offset:
+                info = dataclasses.replace(
+                    info,
+                    step=info.step + self.s.step_offset,
+                    window=info.window + self.s.window_offset,
+                )
+            attach_context(info, config.world_size, config.loss_normalization)
+            if info.step < self.s.skip_before:
+                self._skip(info)
+                skipped += 1
+                continue
+            if not self._replay_checked:
+                self._check_replay()
             batch = None if self._stopping else self._collate(info)
-            if self.s.step_offset:
-                info = dataclasses.replace(info, step=info.step + self.s.step_offset)
-            out.append(Emitted(info, batch, j == n - 1, done and j == n - 1))
+            out.append(Emitted(info, batch, done and j == n - 1))
+        if skipped:
+            with self._cv:
+                self._taken += skipped
+                self._cv.notify_all()
+        if done and not self._replay_checked:
+            self._check_replay()
         return out
+
+    def _skip(self, info: StepInfo) -> None:
+        """A replayed step before the resume point: bookkeeping only, no collate."""
+        self._skipped += 1
+        if info.batch is None:
+            return
+        for s in info.batch.samples:
+            self._cut.pop(s.id, None)
+            self._pad.offer(self._raw.pop(s.id), s.length)
+            self._replayed.add(s.id)
+
+    def _check_replay(self) -> None:
+        self._replay_checked = True
+        want = self.s.skip_before - self.s.step_offset
+        if self._skipped != want or self._replayed != self.s.replay_ids:
+            missing = sorted(self.s.replay_ids - self._replayed)[:10]
+            extra = sorted(self._replayed - self.s.replay_ids)[:10]
+            raise ODBError(
+                f"rank {self.s.machine.rank}: the exact resume replayed {self._skipped} steps "
+                f"up to the saved step {self.s.skip_before} (expected {want}) and emitted other "
+                f"samples than the saved state records (missing {missing}, unexpected "
+                f"{extra}): deterministic=True needs a dataset that yields the same samples "
+                "in every run"
+            )
 
     def _stats(self, rounds: int) -> EpochStats:
         # The consumer appends its last stall only after this item is queued; every
@@ -345,44 +419,61 @@ class EpochPipeline:
                 sid = _as_id(self.s.id_fn(raw), sid)
             if sid in self.s.excluded:
                 continue
-            sample = measure(raw, sid, self.s.cost_fn)
+            sample = measure(raw, sid, self.s.cost_fn, self.s.loss_tokens)
+            if self.s.machine.config.oversize is OversizePolicy.TRUNCATE:
+                raw, sample = self._truncate(raw, sample)
             self._raw[sid] = raw
-            self._tokens[sid] = sample.tokens
-            self._pad.offer(raw, sample.length)
             return sample
+
+    def _truncate(self, raw: Any, sample: Sample) -> tuple[Any, Sample]:
+        """Cut an oversize sample's data before the machine observes it, so that its
+        loss tokens are counted on what is kept. The machine makes the same cut (the
+        same pure keep-count) and records it in `StepInfo.truncated`; the Sample
+        keeps its original token count for that."""
+        config = self.s.machine.config
+        if config.budget.fits_alone(sample, config.cost_model):
+            return raw, sample
+        kept = _truncated_tokens(sample, config)
+        if kept is None:
+            return raw, sample  # cannot fit even with no text: the machine raises
+        if self.s.truncate_fn is not None:
+            raw = self.s.truncate_fn(raw, kept)
+        else:
+            raw = default_truncate(raw, kept, sample.tokens, sample.id)
+        self._cut[sample.id] = kept
+        return raw, sample._replace(loss_tokens=self.s.loss_tokens(raw, sample.id))
 
     def _collate(self, info: StepInfo) -> Any:
         if info.batch is None:
             raw = self._pad.sample if self._pad.length >= 0 else self.s.pad_fallback()
             batch = self.s.collate([raw])
         else:
-            raws = [self._raw.pop(i) for i in info.sample_ids]
-            original = {i: self._tokens.pop(i) for i in info.sample_ids}
-            if info.truncated:
-                raws = self._truncate(info, raws, original)
+            raws = []
+            for s in info.batch.samples:
+                kept = self._cut.pop(s.id, None)
+                if kept is not None and kept != s.tokens:
+                    raise ODBError(
+                        f"sample {s.id}: truncated to {kept} tokens before observing, but the "
+                        f"protocol kept {s.tokens}"
+                    )
+                raw = self._raw.pop(s.id)
+                self._pad.offer(raw, s.length)
+                raws.append(raw)
             batch = self.s.collate(raws)
+        if self.s.step_meta:
+            config = self.s.machine.config
+            batch = with_meta(
+                batch,
+                StepMeta.from_info(info, config.world_size, config.loss_normalization).to_tensor(),
+            )
         return batch if self.s.pin is None else self.s.pin(batch)
-
-    def _truncate(self, info: StepInfo, raws: list[Any], original: dict[int, int]) -> list[Any]:
-        # The batch's Sample carries the kept token count the machine decided.
-        assert info.batch is not None
-        cut = {i for i, _ in info.truncated}
-        out = []
-        for s, raw in zip(info.batch.samples, raws, strict=True):
-            if s.id in cut:
-                if self.s.truncate_fn is not None:
-                    raw = self.s.truncate_fn(raw, s.tokens)
-                else:
-                    raw = default_truncate(raw, s.tokens, original[s.id], s.id)
-            out.append(raw)
-        return out
 
     def _ledger(self, carried: tuple[Sample, ...]) -> tuple[int, ...]:
         """Ids of this rank's epoch not emitted (quota mode): carried by the close,
         plus, for map-style data, those never pulled; in source order, which is
         the order the next epoch takes them in."""
         self._raw.clear()
-        self._tokens.clear()
+        self._cut.clear()
         if self.s.shard is None:
             return tuple(s.id for s in carried)
         done = self._emitted_ids | self.s.excluded

@@ -1,0 +1,181 @@
+"""SFT with Hugging Face Accelerate and ODBDataLoader (2 ranks on CPU, or GPUs).
+
+    torchrun --nproc_per_node 2 examples/accelerate_sft.py
+    torchrun --nproc_per_node 2 examples/accelerate_sft.py --save-at-update 3 --ckpt ckpt
+    torchrun --nproc_per_node 2 examples/accelerate_sft.py --resume ckpt
+    (or `accelerate launch --num_processes 2 --cpu examples/accelerate_sft.py`)
+
+A tiny random-init `LlamaForCausalLM` learns chat samples whose prompts are
+masked (-100). What changes from an Accelerate loop with a DataLoader:
+
+- `Accelerator()` keeps `gradient_accumulation_steps=1`: the loader decides the
+  optimizer windows (`grad_accum_steps=G`, the same step on every rank) and its
+  loss scale already normalises over the whole window, so Accelerate must not
+  divide the loss or count windows again;
+- `train = prepare_odb_loader(accelerator, loader)` instead of
+  `accelerator.prepare(loader)`: batches on `accelerator.device`,
+  `accelerator.sync_gradients` True on each window's last step (the epoch's short
+  last window too), `end_of_dataloader` on the epoch's last batch, and the
+  loader's position saved by `accelerator.save_state` (no `skip_first_batches`);
+- `with train.accumulate(model):` where `accelerator.accumulate(model)` would go;
+  the prepared optimizer and scheduler step only where a window closes;
+- `scaled_loss(meta, model(**batch).loss)` with `meta = pop_step_meta(batch)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+from collections.abc import Sequence
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from odb_core import ODBDataLoader
+from odb_core.integrations.accelerate import prepare_odb_loader
+from odb_core.torch import pop_step_meta, scaled_loss
+
+PAD, BOS, SEP, EOS = 0, 1, 2, 3
+VOCAB = 128
+IGNORE = -100
+
+
+class ChatSFT(Dataset[dict[str, torch.Tensor]]):
+    """`[BOS] prompt [SEP] response [EOS]`, labels masked on the prompt part."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        rng = random.Random(i)
+        prompt_len = min(256, max(2, int(rng.lognormvariate(3.0, 0.8))))
+        response_len = min(192, max(1, int(rng.lognormvariate(2.6, 0.8))))
+        words = VOCAB - 4
+        prompt = [4 + rng.randrange(words) for _ in range(prompt_len)]
+        response = [4 + (prompt[-1] * 3 + 1) % words]
+        for _ in range(response_len - 1):  # learnable: a chain seeded by the prompt
+            response.append(4 + (response[-1] * 5 + 7) % words)
+        ids = torch.tensor([BOS, *prompt, SEP, *response, EOS])
+        labels = ids.clone()
+        labels[: prompt_len + 2] = IGNORE  # no loss on the prompt
+        return {"input_ids": ids, "labels": labels}
+
+
+def pad_collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    pad = torch.nn.utils.rnn.pad_sequence
+    ids = [s["input_ids"] for s in samples]
+    return {
+        "input_ids": pad(ids, batch_first=True, padding_value=PAD),
+        "labels": pad([s["labels"] for s in samples], batch_first=True, padding_value=IGNORE),
+        "attention_mask": pad([torch.ones_like(x) for x in ids], batch_first=True),
+    }
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        use_cache=False,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=400)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--token-budget", type=int, default=2048)
+    parser.add_argument("--grad-accum", type=int, default=2, help="steps per optimizer window")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--ckpt", help="folder for accelerator.save_state")
+    parser.add_argument("--save-at-update", type=int, help="save after this optimizer update")
+    parser.add_argument("--resume", help="accelerator.load_state from this folder first")
+    args = parser.parse_args()
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # starts the process group
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    loader = ODBDataLoader(  # after Accelerator(): it splits the data over the ranks
+        ChatSFT(args.samples),
+        token_budget=args.token_budget,
+        collate_fn=pad_collate,
+        cost_model="padded",
+        grad_accum_steps=args.grad_accum,
+        shuffle=True,
+        seed=0,
+    )
+    train = prepare_odb_loader(accelerator, loader)
+    # An LR schedule sized by the loader's upper estimate of an epoch's steps: it
+    # never runs past its end (Accelerate steps it num_processes times per update).
+    updates_per_epoch = math.ceil(len(train) / args.grad_accum)
+    scheduler = torch.optim.lr_scheduler.LinearLR(
+        optimizer, 1.0, 0.1, total_iters=args.epochs * updates_per_epoch * accelerator.num_processes
+    )
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if args.resume:
+        accelerator.load_state(args.resume)  # model, optimizer, scheduler, RNG, loader position
+        accelerator.print(f"resumed epoch {train.epoch} after step {loader.state_dict()['step']}")
+
+    updates_done = 0
+    first_epoch = train.epoch
+    for epoch in range(first_epoch, args.epochs):  # each iteration is the loader's next epoch
+        steps = updates = pads = 0
+        stats = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+        for batch in train:
+            meta = pop_step_meta(batch)  # on accelerator.device, like the batch
+            with train.accumulate(model):
+                loss = scaled_loss(meta, model(**batch).loss)  # exact global per-token mean
+                accelerator.backward(loss)
+                optimizer.step()  # these three are no-ops until the window closes
+                scheduler.step()
+                optimizer.zero_grad()
+            steps += 1
+            pads += int(meta.is_pad)
+            if accelerator.sync_gradients:
+                updates += 1
+                updates_done += 1
+                if args.ckpt and updates_done == args.save_at_update:
+                    accelerator.save_state(args.ckpt)  # every rank; rank 0 writes
+                    accelerator.print(f"saved {args.ckpt} at step {meta.step} of epoch {epoch}")
+            if meta.loss_scale:
+                ce_sum = loss.item() / meta.loss_scale * meta.local_loss_tokens
+                stats += torch.tensor(
+                    [ce_sum, meta.local_loss_tokens, meta.local_samples],
+                    dtype=torch.float64,
+                    device=accelerator.device,
+                )
+        ce, tokens, samples = accelerator.reduce(stats, reduction="sum").tolist()
+        accelerator.print(
+            f"epoch {epoch}: {steps} aligned steps, {updates} optimizer updates, "
+            f"{int(samples)} samples (dataset {args.samples}), rank 0 pad steps {pads}, "
+            f"estimate {len(train)}, mean loss {ce / max(tokens, 1):.3f} over {int(tokens)} "
+            f"loss tokens, lr {scheduler.get_last_lr()[0]:.2e}"
+        )
+    accelerator.print(f"done on {accelerator.num_processes} ranks")
+    # A barrier before the process groups are destroyed: gloo's worker thread may still
+    # hold the last all-reduce (of `stats`) and need the GIL to free it, while the
+    # group's destructor holds the GIL and waits for that thread (pytorch#56297).
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process groups
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,183 @@
+"""SFT with the Hugging Face `Trainer` and ODB batching (2 ranks on CPU, or GPUs).
+
+    torchrun --nproc_per_node 2 examples/hf_trainer_sft.py
+    torchrun --nproc_per_node 2 examples/hf_trainer_sft.py --save-steps 5 --output-dir out
+    torchrun --nproc_per_node 2 examples/hf_trainer_sft.py --output-dir out --resume
+
+A tiny random-init `LlamaForCausalLM` learns chat samples whose prompts are
+masked (-100). What changes from a `Trainer` run with a batch size:
+
+- `ODBTrainer` instead of `Trainer`, and `odb=ODBArguments(token_budget=...)`:
+  batches are sized by their padded token cost, formed after preprocessing; no
+  `per_device_train_batch_size`, no sampler;
+- nothing else: `num_train_epochs` runs whole epochs (each sample once per
+  epoch), `gradient_accumulation_steps` windows are the loader's (the epoch's
+  last one shorter, and stepped), the loss is normalised over each window's real
+  tokens on every rank, the LR schedule is sized from the loader's step estimate,
+  and `resume_from_checkpoint` continues mid-epoch from the loader's saved state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
+
+from odb_core.integrations.hf import ODBArguments, ODBTrainer
+
+PAD, BOS, SEP, EOS = 0, 1, 2, 3
+VOCAB = 128
+IGNORE = -100
+
+
+class ChatSFT(Dataset[dict[str, torch.Tensor]]):
+    """`[BOS] prompt [SEP] response [EOS]`, labels masked on the prompt part;
+    long-tailed lengths, known only once a sample is built (as after templating)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        rng = random.Random(i)
+        prompt_len = min(384, max(2, int(rng.lognormvariate(3.2, 0.8))))
+        response_len = min(256, max(1, int(rng.lognormvariate(2.8, 0.8))))
+        words = VOCAB - 4
+        prompt = [4 + rng.randrange(words) for _ in range(prompt_len)]
+        response = [4 + (prompt[-1] * 3 + 1) % words]
+        for _ in range(response_len - 1):  # learnable: a chain seeded by the prompt
+            response.append(4 + (response[-1] * 5 + 7) % words)
+        ids = torch.tensor([BOS, *prompt, SEP, *response, EOS])
+        labels = ids.clone()
+        labels[: prompt_len + 2] = IGNORE  # no loss on the prompt
+        return {"input_ids": ids, "labels": labels}
+
+
+def pad_collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    pad = torch.nn.utils.rnn.pad_sequence
+    ids = [s["input_ids"] for s in samples]
+    return {
+        "input_ids": pad(ids, batch_first=True, padding_value=PAD),
+        "labels": pad([s["labels"] for s in samples], batch_first=True, padding_value=IGNORE),
+        "attention_mask": pad([torch.ones_like(x) for x in ids], batch_first=True),
+    }
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        use_cache=False,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+class EpochReport(TrainerCallback):
+    """Per epoch: the loader's aligned steps, the optimizer updates and the samples
+    trained on all ranks (from `trainer.odb_window_info`), and the mean loss."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.updates = self.samples = 0
+        self.line = ""
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.updates += 1
+        self.samples += sum(len(info.sample_ids) for info in self.trainer.odb_window_info)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        loader = self.trainer.odb_loader
+        samples = torch.tensor([self.samples], dtype=torch.long)
+        if dist.is_initialized():
+            dist.all_reduce(samples)  # every rank calls on_epoch_end
+        steps = loader.epoch_steps.get(loader.epoch, "?")
+        self.line = (
+            f"epoch {loader.epoch}: {steps} aligned steps, {self.updates} optimizer updates, "
+            f"{int(samples)} samples"
+        )
+        self.updates = self.samples = 0
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        if self.line and logs and "loss" in logs and state.is_world_process_zero:
+            print(f"{self.line}, mean loss {logs['loss']:.3f}", flush=True)
+            self.line = ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=240)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--token-budget", type=int, default=1024)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--output-dir", default="hf_trainer_sft_out")
+    parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N updates")
+    parser.add_argument("--resume", action="store_true", help="from the last checkpoint")
+    args = parser.parse_args()
+
+    training = TrainingArguments(
+        output_dir=args.output_dir,
+        num_train_epochs=args.epochs,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        logging_strategy="epoch",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        use_cpu=not torch.cuda.is_available(),
+        ddp_backend=None if torch.cuda.is_available() else "gloo",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    report = EpochReport()
+    trainer = ODBTrainer(
+        model=tiny_llama(),
+        args=training,
+        train_dataset=ChatSFT(args.samples),
+        data_collator=pad_collate,
+        odb=ODBArguments(token_budget=args.token_budget, cost_model="padded", buffer_size=64),
+        callbacks=[report],
+    )
+    report.trainer = trainer
+    out = trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if trainer.is_world_process_zero():
+        estimate = trainer.odb_loader.steps_estimate()
+        print(
+            f"done on {training.world_size} ranks: {out.global_step} optimizer updates "
+            f"(LR schedule sized to {trainer.lr_scheduler.total}; an epoch is now estimated "
+            f"at {estimate.steps} steps, upper {estimate.upper}), mean loss "
+            f"{out.training_loss:.3f}"
+        )
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # A barrier first: tearing gloo down right after an all-reduce can deadlock
+        # or abort in torch's own teardown (pytorch#56297).
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,185 @@
+"""Supervised fine-tuning (SFT) on CPU with DDP and ODBDataLoader.
+
+    torchrun --nproc_per_node 2 examples/train_sft.py
+    torchrun --nproc_per_node 2 examples/train_sft.py --packed --tokens-per-update 2048
+
+A tiny random-init `LlamaForCausalLM` learns chat samples whose prompt labels are
+masked (-100), as an SFT chat template produces. A sample's cost (its length)
+and its loss tokens (labels not masked) differ, so the loss is normalised by the
+loss tokens of the whole optimizer window, over every rank: the update is
+exactly the per-token mean over the window's global samples, with padding or
+packing, gradient accumulation, uneven ranks and pad steps alike.
+
+What changes from a plain DDP SFT loop:
+- `ODBDataLoader(..., token_budget=..., grad_accum_steps=G)` (or
+  `tokens_per_update=T`) instead of a DataLoader with a batch size and a
+  DistributedSampler;
+- `meta = pop_step_meta(batch)`, then `causal_lm_loss(meta, logits, labels)`
+  (or `scaled_loss(meta, model(**batch).loss)`);
+- DDP's `no_sync()` on the window's non-closing micro-steps, and the optimizer
+  steps when `meta.sync_gradients`. Every rank closes the same windows at the
+  same steps, so the all-reduce lines up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from odb_core import ODBDataLoader
+from odb_core.torch import causal_lm_loss, pop_step_meta
+
+PAD, BOS, SEP, EOS = 0, 1, 2, 3
+VOCAB = 128
+IGNORE = -100
+
+
+class ChatSFT(Dataset[dict[str, torch.Tensor]]):
+    """`[BOS] prompt [SEP] response [EOS]`, labels masked on the prompt part;
+    long-tailed lengths, known only once a sample is built (as after templating)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        rng = random.Random(i)
+        prompt_len = min(384, max(2, int(rng.lognormvariate(3.2, 0.8))))
+        response_len = min(256, max(1, int(rng.lognormvariate(2.8, 0.8))))
+        words = VOCAB - 4
+        prompt = [4 + rng.randrange(words) for _ in range(prompt_len)]
+        response = [4 + (prompt[-1] * 3 + 1) % words]
+        for _ in range(response_len - 1):  # learnable: a chain seeded by the prompt
+            response.append(4 + (response[-1] * 5 + 7) % words)
+        ids = torch.tensor([BOS, *prompt, SEP, *response, EOS])
+        labels = ids.clone()
+        labels[: prompt_len + 2] = IGNORE  # no loss on the prompt
+        return {"input_ids": ids, "labels": labels}
+
+
+def pad_collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    pad = torch.nn.utils.rnn.pad_sequence
+    ids = [s["input_ids"] for s in samples]
+    return {
+        "input_ids": pad(ids, batch_first=True, padding_value=PAD),
+        "labels": pad([s["labels"] for s in samples], batch_first=True, padding_value=IGNORE),
+        "attention_mask": pad([torch.ones_like(x) for x in ids], batch_first=True),
+    }
+
+
+def pack_collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One row; position ids restart per sample, so attention stays within each
+    sample (transformers needs `use_cache=False` and no attention mask for that);
+    each sample's first label is masked, so no token predicts the next sample."""
+    labels = [s["labels"].clone() for s in samples]
+    for lab in labels:
+        lab[0] = IGNORE
+    return {
+        "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
+        "position_ids": torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None],
+        "labels": torch.cat(labels)[None],
+    }
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        use_cache=False,  # training; a packed row must not build a KV cache
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=600)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--token-budget", type=int, default=2048)
+    parser.add_argument("--packed", action="store_true", help="pack each batch into one row")
+    window = parser.add_mutually_exclusive_group()
+    window.add_argument("--grad-accum", type=int, default=4, help="steps per optimizer window")
+    window.add_argument("--tokens-per-update", type=int, help="loss tokens per optimizer window")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(tiny_llama())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    loader = ODBDataLoader(
+        ChatSFT(args.samples),
+        token_budget=args.token_budget,
+        collate_fn=pack_collate if args.packed else pad_collate,
+        cost_model="packed" if args.packed else "padded",
+        grad_accum_steps=None if args.tokens_per_update else args.grad_accum,
+        tokens_per_update=args.tokens_per_update,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+        shuffle=True,
+        seed=0,
+    )
+    for epoch in range(args.epochs):
+        loader.set_epoch(epoch)
+        steps = updates = pads = 0
+        stats = torch.zeros(3, dtype=torch.float64)  # Σ token CE, loss tokens, samples
+        for batch in loader:
+            meta = pop_step_meta(batch)  # removes batch["odb_step"]
+            labels = batch.pop("labels")
+            # All-reduce only on the window's closing micro-step.
+            with contextlib.nullcontext() if meta.sync_gradients else model.no_sync():
+                logits = model(**batch).logits
+                # Σ token CE x W / window loss tokens: after DDP's average over the
+                # ranks, the window's gradient is the global per-token mean.
+                loss = causal_lm_loss(meta, logits, labels)
+                loss.backward()
+            if meta.sync_gradients:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                updates += 1
+            steps += 1
+            pads += int(meta.is_pad)
+            if meta.loss_scale:
+                ce_sum = loss.item() * meta.window_loss_tokens / meta.world_size
+                stats += torch.tensor([ce_sum, meta.local_loss_tokens, meta.local_samples])
+        dist.all_reduce(stats)
+        if rank == 0:
+            ce, tokens, samples = stats.tolist()
+            print(
+                f"epoch {epoch}: {steps} aligned steps, {updates} optimizer updates, "
+                f"{int(samples)} samples (dataset {args.samples}), rank 0 pad steps {pads}, "
+                f"mean loss {ce / tokens:.3f} over {int(tokens)} loss tokens"
+            )
+    if rank == 0:
+        print(f"done on {world} ranks")
+    # A barrier first: tearing gloo down right after an all-reduce can deadlock
+    # in torch's own teardown (pytorch#56297).
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

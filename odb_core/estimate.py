@@ -1,0 +1,127 @@
+"""How many aligned steps an epoch will take, before it runs.
+
+The real count is decided online from the samples' costs, so a trainer that
+sizes an LR schedule or a progress bar before the epoch needs an estimate. It
+is made by the core itself: the rank machine (world size 1, the same budget,
+cost model, former and window) forms batches from bootstrap draws of a small
+sample of measured costs, for each rank's shard size; in join mode the epoch
+runs as many steps as its busiest rank has batches. Every rank computes it from
+the same inputs, so every rank gets the same figure.
+
+After an epoch has run, its realised count is the better guide: `update`
+folds it in. `upper` is what a trainer should size a schedule to; it is an
+estimate with a margin, not a proof (the proven bound, `steps_bound`, is one
+step per sample), so an adapter must never cut an epoch at it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import NamedTuple
+
+from odb_core.config import Mode, ProtocolConfig
+from odb_core.errors import ConfigError
+from odb_core.protocol import RankMachine, steps_bound
+from odb_core.sample import Sample
+
+#: Samples per simulated shard; longer shards are scaled linearly from this many.
+SIMULATED_SAMPLES = 4096
+#: Ranks simulated one by one; the others reuse their counts.
+MAX_SIMULATED_RANKS = 16
+#: Relative margin of `upper` over the largest bootstrap replicate (or epoch seen).
+MARGIN = 0.05
+
+
+class StepsEstimate(NamedTuple):
+    """`steps`: central estimate of an epoch's aligned steps; `upper`: what to size
+    a schedule to; `basis`: where the figures come from, for logs and docs."""
+
+    steps: int
+    upper: int
+    basis: str
+
+
+def _batches(config: ProtocolConfig, costs: Sequence[Sample], n: int, rng: random.Random) -> float:
+    """Batches one rank forms from `n` samples drawn from `costs` (scaled past
+    SIMULATED_SAMPLES)."""
+    if n == 0:
+        return 0.0
+    m = min(n, SIMULATED_SAMPLES)
+    draws = [costs[rng.randrange(len(costs))] for _ in range(m)]
+    single = replace(
+        config,
+        world_size=1,
+        mode=Mode.JOIN,
+        quota=None,
+        grad_accum_steps=None,
+        tokens_per_update=None,
+        deterministic=True,
+    )
+    machine = RankMachine(0, single)
+    source = iter(draws[i]._replace(id=i) for i in range(m))
+    while machine.phase.value != "done":
+        contribution = machine.fill(lambda: next(source, None))
+        machine.all_gather([contribution])
+    return machine.steps * n / m
+
+
+def estimate_epoch_steps(
+    config: ProtocolConfig,
+    costs: Sequence[Sample],
+    shard_sizes: Sequence[int],
+    *,
+    replicates: int = 5,
+    seed: int = 0,
+) -> StepsEstimate:
+    """Estimate the aligned steps of an epoch whose ranks hold `shard_sizes`
+    samples, from `costs`, a sample of measured costs of the dataset."""
+    if len(shard_sizes) != config.world_size:
+        raise ConfigError(f"{len(shard_sizes)} shard sizes for world_size={config.world_size}")
+    if any(n < 0 for n in shard_sizes):
+        raise ConfigError(f"shard sizes {list(shard_sizes)} must be >= 0")
+    if replicates < 1:
+        raise ConfigError(f"replicates={replicates!r} must be >= 1")
+    bound = steps_bound(shard_sizes)
+    if not costs or bound == 0:
+        return StepsEstimate(bound, bound, "the proven bound (no cost sample)")
+    rng = random.Random(seed)
+    totals = []
+    # Each rank draws its own shard: the epoch ends with its busiest rank, and the
+    # maximum of W noisy counts lies above their mean. Past MAX_SIMULATED_RANKS
+    # ranks the extra ones repeat the simulated ones' counts (an underestimate
+    # of that maximum, which `upper`'s margin covers).
+    simulated = shard_sizes[:MAX_SIMULATED_RANKS]
+    for _ in range(replicates):
+        counts = [_batches(config, costs, n, rng) for n in simulated]
+        per_rank = [counts[r % len(counts)] for r in range(len(shard_sizes))]
+        if config.mode is Mode.JOIN:
+            steps = max(per_rank)
+        else:
+            steps = min(per_rank)
+            if config.quota is not None:
+                share = config.quota / max(1, sum(shard_sizes))
+                steps = min(steps, max(per_rank) * share)
+        totals.append(steps)
+    central = min(bound, max(1, math.ceil(statistics.median(totals))))
+    upper = min(bound, math.ceil(max(totals) * (1 + MARGIN)) + 1)
+    return StepsEstimate(
+        central,
+        max(upper, central),
+        f"{replicates} simulations of the former on bootstrap draws from {len(costs)} "
+        "measured samples",
+    )
+
+
+def update(previous: StepsEstimate, realised: Sequence[int]) -> StepsEstimate:
+    """Fold the realised step counts of finished epochs into an estimate."""
+    if not realised:
+        return previous
+    central = math.ceil(statistics.median(realised))
+    upper = max(previous.upper, math.ceil(max(realised) * (1 + MARGIN)) + 1)
+    return StepsEstimate(
+        central, upper, f"median of {len(realised)} finished epoch(s); upper with margin"
+    )

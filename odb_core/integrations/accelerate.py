@@ -1,0 +1,352 @@
+"""Accelerate adapter: `prepare_odb_loader(accelerator, loader)`.
+
+    accelerator = Accelerator()                        # gradient_accumulation_steps=1
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    loader = ODBDataLoader(ds, token_budget=8192, collate_fn=collate, shuffle=True,
+                           grad_accum_steps=4)           # the optimizer windows: the loader's
+    train = prepare_odb_loader(accelerator, loader)      # after Accelerator(): the process group
+    for epoch in range(epochs):                          # each iteration is the next epoch
+        for batch in train:                              # on accelerator.device
+            meta = pop_step_meta(batch)
+            with train.accumulate(model):                # no_sync unless the window closes
+                accelerator.backward(scaled_loss(meta, model(**batch).loss))
+                optimizer.step(); scheduler.step(); optimizer.zero_grad()  # only at window ends
+
+What Accelerate 1.16 does, and what the adapter does about it:
+
+- `accelerator.prepare()` wraps only `torch.utils.data.DataLoader`s; an
+  `ODBDataLoader` comes back untouched, so batches stay on the CPU, Accelerate's
+  `end_of_dataloader` stays False and nothing saves the loader's position. The
+  adapter moves each batch (its `odb_step` metadata tensor with it) with
+  `accelerate.utils.send_to_device`, registers itself as the active data loader
+  through Accelerate's `DataLoaderStateMixin` (so `gradient_state.end_of_dataloader`
+  is True on the epoch's last batch), and registers its state for
+  `accelerator.save_state` / `load_state`.
+- Windows: `accelerator.accumulate()` counts its own windows
+  (`gradient_accumulation_steps` batches, restarting at the end of the data
+  loader) and `accelerator.backward()` divides every loss by
+  `gradient_accumulation_steps`. The loader decides the windows (the same step on
+  every rank; `grad_accum_steps=G` or `tokens_per_update=T`) and its loss scale
+  already normalises over the whole window, so Accelerate must not count or divide
+  again: keep `Accelerator(gradient_accumulation_steps=1)` (anything else raises
+  `ConfigError`). For every batch the adapter sets `accelerator.sync_gradients`
+  from the step's metadata (True on the window's last step, so the epoch's short
+  last window is stepped too); `AcceleratedOptimizer.step`/`zero_grad` and
+  `AcceleratedScheduler.step` are no-ops while it is False, and
+  `train.accumulate(model)` enters `accelerator.no_sync(model)` on the other steps,
+  so no unsynchronised gradient is left at a window's end.
+  `accelerator.accumulate(model)` would re-decide the windows from its own counter:
+  with windows of one step it agrees, otherwise the adapter raises at the next batch.
+- Checkpoints: `accelerator.save_state` calls `state_dict()` on every rank and
+  rank 0 writes it; the adapter's state is every rank's loader state (one
+  `all_gather_object`), so `load_state` resumes mid-epoch exactly once, at the
+  same world size rank by rank, at another one merged. Call
+  `prepare_odb_loader` in the same order in the run that loads (Accelerate
+  numbers registered objects), and do not call `accelerator.skip_first_batches`:
+  the loader resumes after the last batch it yielded before the save.
+- Length: `len(train)` is the loader's upper estimate of the epoch's steps (for an
+  LR schedule: `ceil(len(train) / G)` optimizer steps per epoch, and Accelerate's
+  scheduler steps `num_processes` times per optimizer step unless
+  `split_batches=True`). The loop ends when the loader ends the epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import accelerate  # type: ignore[import-untyped]
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderStateMixin  # type: ignore[import-untyped]
+from accelerate.state import GradientState  # type: ignore[import-untyped]
+from accelerate.utils import DistributedType, send_to_device  # type: ignore[import-untyped]
+
+from odb_core.errors import ConfigError
+from odb_core.torch import ODBDataLoader
+
+__all__ = [
+    "SUPPORTED_ACCELERATE",
+    "ODBAcceleratedLoader",
+    "check_accelerate_version",
+    "prepare_odb_loader",
+]
+
+#: Accelerate versions the adapter is tested with (the `[accelerate]` extra's range is
+#: preferred when odb-core's metadata declares one).
+SUPPORTED_ACCELERATE = ">=1.16,<1.17"
+_STATE_FORMAT = "odb-accelerate-loader"
+_STATE_VERSION = 1
+_UNSUPPORTED = {
+    DistributedType.DEEPSPEED: "DeepSpeed scales and accumulates gradients in its own engine",
+    DistributedType.MEGATRON_LM: "Megatron-LM runs its own data and accumulation loop",
+    DistributedType.XLA: "XLA devices feed batches through their own loader",
+}
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _supported_range() -> str:
+    """The `[accelerate]` extra's version range from odb-core's metadata, if any."""
+    try:
+        from importlib.metadata import PackageNotFoundError, requires
+
+        from packaging.requirements import Requirement
+
+        for line in requires("odb-core") or []:
+            req = Requirement(line)
+            if (
+                req.name == "accelerate"
+                and req.marker is not None
+                and req.marker.evaluate({"extra": "accelerate"})
+                and str(req.specifier)
+            ):
+                return str(req.specifier)
+    except (PackageNotFoundError, ImportError, ValueError):
+        pass
+    return SUPPORTED_ACCELERATE
+
+
+def check_accelerate_version(version: str | None = None) -> bool:
+    """Warn once when `accelerate.__version__` is outside the supported range."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    version = accelerate.__version__ if version is None else version
+    spec = _supported_range()
+    try:
+        ok = Version(version) in SpecifierSet(spec)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        _warn_once(
+            f"version:{version}",
+            f"accelerate {version} is outside the range the odb-core Accelerate adapter is "
+            f"tested with ({spec}); it relies on Accelerate's gradient state, no_sync and "
+            f"custom checkpoint objects: install a supported one, "
+            f"`pip install 'odb-core[accelerate]'` (accelerate{spec})",
+        )
+    return ok
+
+
+def prepare_odb_loader(
+    accelerator: Accelerator,
+    loader: ODBDataLoader,
+    *,
+    device_placement: bool | None = None,
+    register_for_checkpointing: bool = True,
+) -> ODBAcceleratedLoader:
+    """Bridge an `ODBDataLoader` into `accelerator`: batches on `accelerator.device`,
+    `accelerator.sync_gradients` following the loader's optimizer windows,
+    `end_of_dataloader` on the epoch's last batch, and the loader's state in
+    `accelerator.save_state` / `load_state`. Call it on every rank, in the same
+    order, after `Accelerator()` (and build the loader after it too: the
+    Accelerator starts the process group the loader splits the data over)."""
+    return ODBAcceleratedLoader(
+        accelerator,
+        loader,
+        device_placement=device_placement,
+        register_for_checkpointing=register_for_checkpointing,
+    )
+
+
+class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
+    """What `prepare_odb_loader` returns: iterate it instead of the loader."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        loader: ODBDataLoader,
+        *,
+        device_placement: bool | None = None,
+        register_for_checkpointing: bool = True,
+    ) -> None:
+        check_accelerate_version()
+        if not isinstance(loader, ODBDataLoader):
+            fix = (
+                "build an odb_core.ODBDataLoader(dataset, token_budget=..., collate_fn=...) and "
+                "pass that (a plain DataLoader goes through accelerator.prepare() instead)"
+            )
+            raise ConfigError(
+                f"prepare_odb_loader needs an ODBDataLoader, got {type(loader).__name__}: {fix}"
+            )
+        if not isinstance(accelerator, Accelerator):
+            raise ConfigError(
+                f"prepare_odb_loader(accelerator, loader): {type(accelerator).__name__} is not "
+                "an accelerate.Accelerator"
+            )
+        reason = _UNSUPPORTED.get(accelerator.distributed_type)
+        if reason is not None:
+            raise ConfigError(
+                f"prepare_odb_loader does not support {accelerator.distributed_type}: {reason}"
+            )
+        if accelerator.num_processes != loader.world_size:
+            raise ConfigError(
+                f"the loader was built for {loader.world_size} rank(s) but the Accelerator runs "
+                f"{accelerator.num_processes}: build the ODBDataLoader after Accelerator() "
+                "(which starts the process group)"
+            )
+        _check_accumulation(accelerator)
+        config = accelerator.dataloader_config
+        for name, value, default in (
+            ("split_batches", config.split_batches, False),
+            ("dispatch_batches", config.dispatch_batches, None),
+            ("data_seed", config.data_seed, None),
+        ):
+            if value != default:
+                _warn_once(
+                    f"config:{name}",
+                    f"DataLoaderConfiguration({name}={value!r}) is ignored for an ODBDataLoader: "
+                    "every rank forms its own token-budget batches from its own share of the "
+                    "data (seed the order with ODBDataLoader(seed=...))",
+                )
+        self.accelerator = accelerator
+        self.loader = loader
+        self.device_placement = (
+            accelerator.device_placement if device_placement is None else device_placement
+        )
+        self.gradient_state = GradientState()  # Accelerate's shared singleton
+        self._expected_sync: bool | None = None
+        if register_for_checkpointing:
+            accelerator.register_for_checkpointing(self)
+
+    # ---- the data-loader surface -----------------------------------------------------
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def epoch(self) -> int:
+        """The loader's epoch (the one running or, between epochs, the next)."""
+        return self.loader.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select an epoch (the loader advances its own epochs otherwise)."""
+        self.loader.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """The loader's upper estimate of the epoch's steps; an epoch may differ, and
+        iteration ends when the loader ends the epoch, not at this count."""
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        _check_accumulation(self.accelerator)
+        self._expected_sync = None
+        it = iter(self.loader)
+        self.begin()
+        try:
+            for batch in it:
+                self._check_sync_untouched()
+                info = self.loader.step_info  # the batch just yielded (no lookahead here)
+                if info is None:  # pragma: no cover - the loader sets it before yielding
+                    raise ConfigError("the ODBDataLoader yielded a batch without step info")
+                _check_accumulation(self.accelerator)
+                self.end_of_dataloader = _epoch_closed(self.loader, info.step)
+                self.accelerator.sync_gradients = bool(info.sync_gradients)
+                self._expected_sync = bool(info.sync_gradients)
+                if self.device_placement:
+                    batch = send_to_device(
+                        batch, self.accelerator.device, non_blocking=self.accelerator.non_blocking
+                    )
+                yield batch
+        finally:
+            self._expected_sync = None
+            self.accelerator.sync_gradients = True  # Accelerate's state outside accumulation
+            self.end()
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """`accelerator.no_sync(model)` for every model unless the current step closes
+        its optimizer window (use it where `accelerator.accumulate(model)` would go)."""
+        sync = self.accelerator.sync_gradients
+        with contextlib.ExitStack() as stack:
+            if not sync:
+                for model in models:
+                    stack.enter_context(self.accelerator.no_sync(model))
+            yield
+
+    def _check_sync_untouched(self) -> None:
+        expected = self._expected_sync
+        if expected is not None and self.accelerator.sync_gradients != expected:
+            raise ConfigError(
+                f"accelerator.sync_gradients was changed to {self.accelerator.sync_gradients} "
+                f"during a step the ODB loader marked sync_gradients={expected}: "
+                "accelerator.accumulate(model) re-decides the windows from its own step "
+                "counter; use `with train.accumulate(model):` (train = prepare_odb_loader(...)) "
+                "so the optimizer steps where the loader's window closes"
+            )
+
+    # ---- checkpointing (accelerator.save_state / load_state) ------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's loader state (a collective: call it on every rank, as
+        `accelerator.save_state` does)."""
+        local = self.loader.state_dict()
+        world = self.loader.world_size
+        if world > 1:
+            states: list[Any] = [None] * world
+            dist.all_gather_object(states, local)
+        else:
+            states = [local]
+        return {
+            "format": _STATE_FORMAT,
+            "version": _STATE_VERSION,
+            "world_size": world,
+            "ranks": states,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the loader: this rank's own state at the same world size, every
+        rank's states merged at another."""
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise ConfigError(
+                "this checkpoint entry is not an ODB Accelerate loader state: call "
+                "prepare_odb_loader in the same order as in the run that saved it (Accelerate "
+                "loads registered objects by position)"
+            )
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(
+                f"ODB Accelerate loader state version {state.get('version')!r}; this odb-core "
+                f"reads version {_STATE_VERSION}"
+            )
+        ranks = state["ranks"]
+        if state["world_size"] == self.loader.world_size:
+            self.loader.load_state_dict(ranks[self.loader.rank])
+        else:
+            self.loader.load_state_dict(list(ranks))
+
+    def __repr__(self) -> str:
+        return f"<ODBAcceleratedLoader of {self.loader!r} on {self.accelerator.device}>"
+
+
+def _check_accumulation(accelerator: Accelerator) -> None:
+    steps = accelerator.gradient_accumulation_steps
+    if steps != 1:
+        raise ConfigError(
+            f"Accelerator(gradient_accumulation_steps={steps}) with an ODBDataLoader: "
+            f"accelerator.backward() would divide every loss by {steps} and "
+            "accelerator.accumulate() would count its own windows, while the loader's loss "
+            "scale already normalises over its window. Use Accelerator("
+            f"gradient_accumulation_steps=1) and ODBDataLoader(grad_accum_steps={steps})"
+        )
+
+
+def _epoch_closed(loader: ODBDataLoader, step: int) -> bool:
+    """Whether the batch the loader just yielded (step `step`) was its epoch's last.
+    Known when it is yielded, with no lookahead (which would move the loader's
+    resumable position past the batch in training): the loader records the epoch's
+    realised step count as it yields the last batch. A count left from an earlier
+    pass of the same epoch can also match, so a match is confirmed from the state
+    (O(samples done), at most once or twice per epoch)."""
+    if loader.epoch_steps.get(loader.epoch) != step + 1:
+        return False
+    return bool(loader.state_dict()["closed"])

@@ -1,0 +1,804 @@
+"""HF Trainer adapter: `ODBTrainer`, a `transformers.Trainer` whose train dataloader
+is an `ODBDataLoader` built from `train_dataset` and `data_collator`.
+
+    trainer = ODBTrainer(
+        model=model,
+        args=TrainingArguments(output_dir="out", num_train_epochs=3,
+                               gradient_accumulation_steps=4),
+        train_dataset=dataset,            # processed samples (a map-style dataset)
+        data_collator=collate,            # pads or packs a list of samples
+        odb=ODBArguments(token_budget=16384),   # or odb=dict(token_budget=16384, ...)
+    )
+    trainer.train()                       # or trainer.train(resume_from_checkpoint=True)
+
+What transformers 5.24's Trainer does, and what the adapter does about it (all
+through overridable methods and a callback; nothing in transformers is patched):
+
+- **Length and epochs.** The Trainer sizes its loop from `len(train_dataloader)`:
+  `max_steps = epochs x len // G`, an epoch stops after that many optimizer
+  steps, and `DefaultFlowCallback` stops training at `max_steps`. An ODB epoch's
+  step count is decided online and changes from epoch to epoch, so any length
+  would cut some epoch short or run into the next one. `set_initial_training_values`
+  gives the loop a per-epoch cap that no epoch can reach (one step per sample),
+  and the epoch ends when the loader's does (`get_batch_samples` sees the end and
+  sets `should_epoch_stop`); training stops after `num_train_epochs` loader
+  epochs (`should_training_stop`). The LR schedule and the progress bar are sized
+  from the loader's upper step estimate (`loader.steps_estimate().upper`), and
+  the schedule is clamped (`ClampedLR`): it never steps past its end.
+  `max_steps > 0` keeps its meaning: stop after that many optimizer steps.
+- **Windows.** `gradient_accumulation_steps=G` becomes the loader's
+  `grad_accum_steps=G`, so the loader decides the windows (G steps from the
+  epoch start, the epoch's last one shorter). `get_batch_samples` hands the loop
+  one whole window; the Trainer steps the optimizer when its micro-step counter
+  reaches a multiple of G, so a short last window of k steps is preceded by
+  G - k empty fill entries that `training_step` skips (no forward, no backward,
+  no collective): the Trainer steps the optimizer right after the window's last
+  real backward, which is the one it runs outside `no_sync`.
+- **Loss.** The Trainer divides by `num_items_in_batch` (which it counts itself),
+  by `gradient_accumulation_steps` and multiplies by the world size
+  (`average_tokens_across_devices`). `compute_loss` pops the batch's step
+  metadata and passes `num_items_in_batch = window_loss_tokens / world_size` (the
+  core's window-wide count; the Trainer's own multiplier undone), so the loss is
+  Σ token CE x W / window_loss_tokens and DDP's average makes the update the
+  exact per-token mean over the window's real tokens on every rank.
+  `loss_is_scaled_for_ga = True` stops the division by G. A model that takes no
+  loss kwargs (and no `compute_loss_func`): its mean loss times `meta.loss_scale`.
+- **Resume.** The Trainer fast-forwards a resumed epoch with `skip_first_batches`,
+  which needs a torch DataLoader. Each checkpoint folder gets every rank's
+  `loader.state_dict()` (`odb_loader_rank{r}.json`) and the schedule length
+  (`odb_trainer.json`); `train(resume_from_checkpoint=...)` loads them into the new
+  loader before the loop starts, and the Trainer's own fast-forward is off
+  (`ignore_data_skip` during `train()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import transformers
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    IntervalStrategy,
+    SaveStrategy,
+    get_last_checkpoint,
+)
+
+from odb_core.config import LossNormalization
+from odb_core.errors import ConfigError, ODBError
+from odb_core.torch import ODBDataLoader
+from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, step_meta
+
+__all__ = [
+    "SUPPORTED_TRANSFORMERS",
+    "ClampedLR",
+    "ODBArguments",
+    "ODBTrainer",
+    "check_transformers_version",
+]
+
+log = logging.getLogger("odb_core")
+
+#: The transformers versions this adapter is tested with (the `[hf]` extra's
+#: range, read from odb-core's metadata when installed; this is the fallback).
+SUPPORTED_TRANSFORMERS = ">=5.24.0,<5.25"
+#: Files each checkpoint folder gets.
+LOADER_STATE = "odb_loader_rank{rank}.json"
+TRAINER_STATE = "odb_trainer.json"
+
+#: ODBDataLoader arguments the trainer sets itself, and where to set them instead.
+_OWNED = {
+    "dataset": "pass train_dataset= to ODBTrainer",
+    "collate_fn": "pass data_collator= to ODBTrainer",
+    "grad_accum_steps": "set TrainingArguments(gradient_accumulation_steps=...)",
+    "tokens_per_update": (
+        "the HF Trainer steps the optimizer every gradient_accumulation_steps "
+        "micro-batches, so windows of a token count are not supported here; use "
+        "gradient_accumulation_steps, or the Accelerate adapter (odb_core.integrations."
+        "accelerate), which follows the loader's windows"
+    ),
+    "num_workers": "set TrainingArguments(dataloader_num_workers=...)",
+    "pin_memory": "set TrainingArguments(dataloader_pin_memory=...)",
+    "persistent_workers": "set TrainingArguments(dataloader_persistent_workers=...)",
+    "prefetch_factor": "set TrainingArguments(dataloader_prefetch_factor=...)",
+    "multiprocessing_context": "set TrainingArguments(dataloader_multiprocessing_context=...)",
+    "batch_size": "ODB sizes each batch by token_budget (cap samples with max_samples=)",
+    "batch_sampler": "the loader forms the batches",
+    "drop_last": "ODB emits every sample of an epoch exactly once",
+    "with_step_info": "the trainer reads the metadata carried in each batch",
+    "step_meta": "the trainer reads the metadata carried in each batch",
+}
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+# ---- versions ----------------------------------------------------------------------------
+
+
+def _supported_range() -> str:
+    """The `[hf]` extra's transformers range from odb-core's metadata, if installed."""
+    try:
+        from importlib.metadata import PackageNotFoundError, requires
+
+        from packaging.requirements import Requirement
+
+        for line in requires("odb-core") or []:
+            req = Requirement(line)
+            if (
+                req.name == "transformers"
+                and req.marker is not None
+                and req.marker.evaluate({"extra": "hf"})
+                and str(req.specifier)
+            ):
+                return str(req.specifier)
+    except (PackageNotFoundError, ImportError, ValueError):
+        pass
+    return SUPPORTED_TRANSFORMERS
+
+
+def check_transformers_version(version: str | None = None) -> bool:
+    """Warn once when `transformers.__version__` is outside the supported range;
+    raise `ConfigError` when the Trainer lacks a method the adapter overrides."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    version = transformers.__version__ if version is None else version
+    spec = _supported_range()
+    try:
+        ok = Version(version) in SpecifierSet(spec)
+    except InvalidVersion:
+        ok = False
+    fix = f"pip install 'odb-core[hf]' (transformers{spec})"
+    missing = [
+        name
+        for name in ("set_initial_training_values", "get_batch_samples", "_save_checkpoint")
+        if not callable(getattr(Trainer, name, None))
+    ]
+    if missing or not hasattr(Trainer, "loss_is_scaled_for_ga"):
+        lacks = ", ".join(missing) or "loss_is_scaled_for_ga"
+        raise ConfigError(
+            f"transformers {version}: its Trainer has no {lacks}, which ODBTrainer "
+            f"overrides; install a supported version: {fix}"
+        )
+    if not ok:
+        _warn_once(
+            f"version:{version}",
+            f"transformers {version} is outside the range the odb-core HF adapter is tested "
+            f"with ({spec}); ODBTrainer relies on how Trainer's loop counts gradient "
+            f"accumulation steps and normalises the loss. Install a supported one: {fix}",
+        )
+    return ok
+
+
+# ---- options -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ODBArguments:
+    """ODB's loader options for `ODBTrainer` (what `TrainingArguments` has no field for).
+
+    `None` leaves the `ODBDataLoader` default, except `shuffle` (default: True, or
+    False with `train_sampling_strategy="sequential"`), `seed` (default:
+    `data_seed`, else `seed`) and `label_shift` (0 for an encoder-decoder model).
+    Any other `ODBDataLoader` argument goes in `loader_kwargs` (or, with a dict,
+    as a plain key). The trainer sets `collate_fn` (`data_collator`),
+    `grad_accum_steps` (`gradient_accumulation_steps`) and the worker options
+    (`dataloader_*`) itself.
+    """
+
+    token_budget: float
+    cost_model: Any = "padded"
+    shuffle: bool | None = None
+    seed: int | None = None
+    deterministic: bool | None = None
+    max_samples: int | None = None
+    buffer_size: int | None = None
+    max_steps_per_round: int | None = None
+    loss_normalization: str | None = None
+    label_shift: int | None = None
+    peer_timeout: float | None = None
+    cost_fn: Callable[[Any], Any] | None = None
+    loader_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def coerce(cls, value: ODBArguments | Mapping[str, Any] | None) -> ODBArguments:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            names = {f.name for f in dataclasses.fields(cls)} - {"loader_kwargs"}
+            extra = dict(value.get("loader_kwargs") or {})
+            extra.update({k: v for k, v in value.items() if k not in names | {"loader_kwargs"}})
+            known = {k: v for k, v in value.items() if k in names}
+            if "token_budget" not in known:
+                raise ConfigError("odb= needs token_budget (tokens per batch, under cost_model)")
+            return cls(**known, loader_kwargs=extra)
+        raise ConfigError(
+            "ODBTrainer needs odb=ODBArguments(token_budget=...) (or a dict of ODBDataLoader "
+            f"options); got {value!r}"
+        )
+
+    def loader_options(self) -> dict[str, Any]:
+        """The keyword arguments for `ODBDataLoader` (those left None omitted)."""
+        opts = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "loader_kwargs" and getattr(self, f.name) is not None
+        }
+        for key, value in self.loader_kwargs.items():
+            if key in _OWNED:
+                raise ConfigError(f"odb option {key}={value!r}: {_OWNED[key]}")
+            if key in opts:
+                raise ConfigError(f"odb option {key!r} given twice")
+            opts[key] = value
+        return opts
+
+
+# ---- what the Trainer's loop iterates ----------------------------------------------------
+
+
+class _TrainBatches:
+    """What the Trainer iterates: one pass is the rest of the loader's current epoch
+    (the loader starts its next epoch by itself when iterated again). No `set_epoch`
+    (the Trainer would pass its own epoch counter, which restarts at 0 on resume) and
+    no `batch_sampler`."""
+
+    def __init__(self, loader: ODBDataLoader) -> None:
+        self.loader = loader
+        self.finished = False  # every epoch asked for has run
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.finished:
+            return iter(())
+        return iter(self.loader)
+
+
+class _WindowFill(dict):  # type: ignore[type-arg]
+    """An empty entry before a short window's batches (see the module docstring)."""
+
+
+class ClampedLR:
+    """An LR scheduler that stops advancing after `total` steps: sized from an
+    estimate, it never steps past its end (a cosine would come back up)."""
+
+    def __init__(self, scheduler: Any, total: int) -> None:
+        self.scheduler = scheduler
+        self.total = int(total)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.scheduler.last_epoch < self.total:
+            self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.scheduler.get_last_lr())
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.scheduler.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+
+# ---- the trainer -------------------------------------------------------------------------
+
+
+class ODBTrainer(Trainer):
+    """A `transformers.Trainer` whose train dataloader is an `ODBDataLoader`.
+
+    `odb`: `ODBArguments` (or a dict of them / of ODBDataLoader options). Everything
+    else is the Trainer's. `num_train_epochs=E` runs exactly E loader epochs, each
+    sample once per epoch; `gradient_accumulation_steps=G` windows are the loader's;
+    the loss is normalised over each window's real tokens on every rank;
+    checkpoints carry the loader's position. `per_device_train_batch_size` is
+    ignored (the token budget sizes batches). Evaluation is the Trainer's own.
+
+    After each `get_batch_samples`, `odb_window_info` lists the `StepInfo` of the
+    window's batches (sample ids, counts, pad flags); `odb_loader` is the loader.
+    """
+
+    loss_is_scaled_for_ga = True  # the core's scale already covers the whole window
+
+    def __init__(self, *args: Any, odb: ODBArguments | Mapping[str, Any], **kwargs: Any) -> None:
+        check_transformers_version()
+        self.odb_args = ODBArguments.coerce(odb)
+        self.odb_args.loader_options()  # owned keys fail here, not at train()
+        super().__init__(*args, **kwargs)
+        self.odb_loader: ODBDataLoader | None = None
+        self.odb_window_info: list[Any] = []
+        self._odb_batches: _TrainBatches | None = None
+        self._odb_resume_dir: str | None = None
+        self._odb_saved_schedule: int | None = None
+        self._odb_schedule_steps: int | None = None
+        self._odb_target_epochs: int | None = None
+        self._odb_epoch_steps_estimate = 0
+        self._check_args()
+        self._check_train_dataset(self.train_dataset)
+        self.add_callback(_ODBCallback(self))
+
+    # ---- checks --------------------------------------------------------------------------
+
+    def _check_args(self) -> None:
+        args = self.args
+        if args.dataloader_drop_last:
+            raise ConfigError(
+                "TrainingArguments(dataloader_drop_last=True) would drop samples; ODBTrainer "
+                "trains every sample of an epoch exactly once: set dataloader_drop_last=False"
+            )
+        if args.auto_find_batch_size:
+            raise ConfigError(
+                "auto_find_batch_size=True retries with smaller per-device batch sizes, which "
+                "ODBTrainer does not use: set auto_find_batch_size=False and lower "
+                "odb token_budget instead"
+            )
+        if getattr(self, "is_deepspeed_enabled", False):
+            raise ConfigError(
+                "DeepSpeed counts gradient accumulation micro-steps in its own engine, which "
+                "ODBTrainer's windows (the epoch's last one shorter) do not fit; use DDP or FSDP"
+            )
+        if args.n_gpu > 1:
+            raise ConfigError(
+                f"{args.n_gpu} GPUs in one process (torch DataParallel): ODB aligns one "
+                "process per device; launch one process per GPU (torchrun) for DDP or FSDP"
+            )
+        if args.max_steps <= 0:
+            self._whole_epochs(args.num_train_epochs)
+        default = _field_default(TrainingArguments, "per_device_train_batch_size")
+        if args.per_device_train_batch_size != default:
+            _warn_once(
+                "per_device_train_batch_size",
+                f"per_device_train_batch_size={args.per_device_train_batch_size} is ignored "
+                "by ODBTrainer: batches are sized by odb token_budget (cap the samples per "
+                "batch with odb max_samples=). Leave per_device_train_batch_size at its default.",
+            )
+        if args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
+            _warn_once(
+                "train_sampling_strategy",
+                f"train_sampling_strategy={args.train_sampling_strategy!r} is ignored by "
+                "ODBTrainer: the loader groups samples by cost itself (shuffle per epoch, or "
+                "train_sampling_strategy='sequential' for the dataset order)",
+            )
+
+    @staticmethod
+    def _whole_epochs(epochs: float) -> int:
+        if epochs < 1 or int(epochs) != epochs:
+            raise ConfigError(
+                f"num_train_epochs={epochs!r}: ODBTrainer runs whole epochs, each to its end "
+                "(an epoch's step count is decided online); give a whole number >= 1, or "
+                "max_steps= to stop after a number of optimizer steps"
+            )
+        return int(epochs)
+
+    @staticmethod
+    def _check_train_dataset(dataset: Any) -> None:
+        if isinstance(dataset, (DataLoader, ODBDataLoader, _TrainBatches)):
+            raise ConfigError(
+                f"train_dataset is a {type(dataset).__name__}: ODBTrainer builds its own "
+                "ODBDataLoader from train_dataset and data_collator. Pass the dataset itself "
+                "(train_dataset=loader.dataset) and the loader options as odb=ODBArguments(...)"
+            )
+
+    # ---- the train dataloader ------------------------------------------------------------
+
+    def get_train_dataloader(self) -> Any:
+        """Build the `ODBDataLoader` (the process group exists by now) and, when
+        resuming, load its state from the checkpoint folder."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        self._check_train_dataset(self.train_dataset)
+        self.close_odb_loader()
+        args = self.args
+        opts = self.odb_args.loader_options()
+        if not isinstance(self.train_dataset, IterableDataset):  # a stream has its own order
+            opts.setdefault("shuffle", args.train_sampling_strategy != "sequential")
+        opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
+        config = getattr(self.model, "config", None)
+        if "label_shift" not in opts and getattr(config, "is_encoder_decoder", False):
+            opts["label_shift"] = 0  # an encoder-decoder's loss does not shift its labels
+        loader = ODBDataLoader(
+            self.train_dataset,
+            collate_fn=self._get_collator_with_removed_columns(self.data_collator, "training"),
+            grad_accum_steps=args.gradient_accumulation_steps,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=bool(args.dataloader_pin_memory and torch.cuda.is_available()),
+            persistent_workers=args.dataloader_persistent_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            **opts,
+        )
+        self.odb_loader = loader
+        self._odb_batches = _TrainBatches(loader)
+        self._odb_saved_schedule = None
+        if self._odb_resume_dir is not None:
+            self._load_odb_state(self._odb_resume_dir)
+        return self._odb_batches
+
+    def close_odb_loader(self) -> None:
+        """Stop the loader's background protocol thread (a `train()` that stopped
+        mid-epoch leaves it waiting); `odb_loader` stays readable."""
+        close = getattr(self.odb_loader, "close", None)
+        if callable(close):
+            close()
+
+    def set_initial_training_values(
+        self, args: TrainingArguments, dataloader: Any
+    ) -> tuple[int, int, int, int, int, int, int]:
+        """The loop's sizes: a per-epoch cap no epoch reaches, the epoch count, and
+        (kept for the scheduler and the progress bar) the estimated optimizer steps."""
+        batches = self._odb_batches
+        if dataloader is not batches or batches is None:
+            raise ConfigError(
+                f"ODBTrainer's train dataloader must be the one ODBTrainer.get_train_dataloader "
+                f"builds (an ODBDataLoader); got {type(dataloader).__name__}. Do not override "
+                "get_train_dataloader; pass the dataset and odb=ODBArguments(...) instead"
+            )
+        loader = batches.loader
+        accum = args.gradient_accumulation_steps
+        dataset = loader.dataset
+        sized = not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__")
+        samples = len(dataset) if sized else 0
+        # An epoch has at most one step per sample of its busiest rank's shard.
+        bound = samples if getattr(loader, "partition", True) else samples * args.world_size
+        estimate = loader.steps_estimate() if sized else None
+        if estimate is not None:
+            self._odb_epoch_steps_estimate = max(1, estimate.steps)
+        if args.max_steps > 0:
+            self._odb_target_epochs = None
+            max_steps = args.max_steps
+            epochs = sys.maxsize
+            per_epoch = math.ceil(bound / accum) + 1 if sized else max_steps
+            schedule = max_steps
+        else:
+            assert estimate is not None  # the Trainer rejects an unsized dataset without max_steps
+            epochs = self._whole_epochs(args.num_train_epochs)
+            self._odb_target_epochs = epochs
+            per_epoch = math.ceil(bound / accum) + 1
+            max_steps = epochs * per_epoch
+            schedule = self._odb_saved_schedule or epochs * math.ceil(estimate.upper / accum)
+        self._odb_schedule_steps = schedule
+        if estimate is not None:
+            log.info(
+                "odb: an epoch is estimated at %d steps (upper %d; %s); LR schedule and "
+                "progress bar sized to %d optimizer steps; the Trainer's step cap (%d per "
+                "epoch) is out of reach, epochs end with the loader's",
+                estimate.steps,
+                estimate.upper,
+                estimate.basis,
+                schedule,
+                per_epoch,
+            )
+        per_update = (
+            max(1, round(samples * accum / estimate.steps)) if estimate else args.world_size
+        )
+        num_examples = samples if sized else max_steps * per_update
+        train_samples = samples * epochs if args.max_steps <= 0 else max_steps * per_update
+        return (
+            epochs,
+            per_epoch,
+            num_examples,
+            train_samples,
+            per_update,
+            per_epoch * accum,
+            max_steps,
+        )
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The Trainer's schedule, sized to the estimated optimizer steps and clamped."""
+        created = self.lr_scheduler is None
+        steps = self._odb_schedule_steps or num_training_steps
+        scheduler = super().create_scheduler(steps, optimizer)
+        if (
+            created
+            and hasattr(scheduler, "last_epoch")
+            and not isinstance(scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, ClampedLR))
+        ):
+            self.lr_scheduler = cast(Any, ClampedLR(scheduler, steps))
+        return self.lr_scheduler
+
+    # ---- one window at a time ------------------------------------------------------------
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: Any
+    ) -> tuple[list[Any], Any]:
+        """One optimizer window of the loader's (not `num_batches` batches), short-window
+        fill in front; at the epoch's end, nothing, and the epoch stops."""
+        loader = self.odb_loader
+        if loader is None:
+            raise ODBError("get_batch_samples before get_train_dataloader built the loader")
+        window: list[Any] = []
+        infos: list[Any] = []
+        for batch in epoch_iterator:
+            if not isinstance(batch, Mapping) or STEP_META_KEY not in batch:
+                raise ODBError(
+                    "the train dataloader yielded a batch without ODB step metadata "
+                    f"({STEP_META_KEY!r}); data_collator must return a dict"
+                )
+            window.append(batch)
+            infos.append(loader.step_info)
+            if step_meta(batch).sync_gradients:
+                break
+        self.odb_window_info = infos
+        if not window:
+            self._epoch_ended(loader)
+            return [], None
+        accum = self.args.gradient_accumulation_steps
+        if len(window) > accum:
+            raise ODBError(
+                f"the loader's window has {len(window)} steps, more than "
+                f"gradient_accumulation_steps={accum}"
+            )
+        main = getattr(self.model, "main_input_name", "input_ids")
+        fill = [
+            _WindowFill({main: torch.zeros(0, dtype=torch.long)})
+            for _ in range(accum - len(window))
+        ]
+        return fill + window, None
+
+    def _epoch_ended(self, loader: ODBDataLoader) -> None:
+        epoch = _finished_epoch(loader)
+        self.state.epoch = float(epoch + 1)
+        self.control.should_epoch_stop = True
+        estimate = loader.steps_estimate() if self._odb_epoch_steps_estimate else None
+        if estimate is not None:
+            self._odb_epoch_steps_estimate = max(1, estimate.steps)
+        target = self._odb_target_epochs
+        if target is None or epoch + 1 < target:
+            return
+        if self._odb_batches is not None:
+            self._odb_batches.finished = True
+        control, args, state = self.control, self.args, self.state
+        control.should_training_stop = True
+        # What DefaultFlowCallback does when global_step reaches max_steps.
+        step = state.global_step
+        if (
+            step > 0
+            and args.save_strategy == SaveStrategy.STEPS
+            and (not state.save_steps or step % state.save_steps)
+        ):
+            control.should_save = True
+        if (
+            step > 0
+            and args.eval_strategy == IntervalStrategy.STEPS
+            and step % state.eval_steps
+            and args.eval_delay <= step
+        ):
+            control.should_evaluate = True
+
+    # ---- loss ----------------------------------------------------------------------------
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        if isinstance(inputs, _WindowFill):
+            return torch.zeros((), device=self.args.device)
+        out: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
+        return out
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """The window-normalised loss of this rank's batch (see the module docstring);
+        a batch without ODB metadata (evaluation) gets the Trainer's own loss."""
+        if STEP_META_KEY not in inputs:
+            if model.training:
+                raise ODBError(
+                    f"ODBTrainer.compute_loss got a training batch without {STEP_META_KEY!r}: "
+                    "it must come from the ODBDataLoader that ODBTrainer builds"
+                )
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        meta = pop_step_meta(inputs)
+        by_tokens = meta.loss_normalization is LossNormalization.TOKENS
+        sums = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        if by_tokens and (sums or self.label_smoother is not None):
+            # Σ token loss / num_items, num_items = window tokens / W, times the factor
+            # the Trainer multiplies by afterwards (average_tokens_across_devices).
+            items = max(1, meta.window_loss_tokens) / meta.world_size * self._hf_loss_factor(sums)
+            n = torch.tensor(items, dtype=torch.float64, device=self.args.device)
+            result = super().compute_loss(model, inputs, return_outputs, n)
+            loss: torch.Tensor = cast(Any, result)[0] if return_outputs else cast(Any, result)
+            if meta.is_pad:  # a pad batch holds a real sample: weight 0, graph kept
+                loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+        else:
+            result = super().compute_loss(model, inputs, return_outputs, None)
+            loss = cast(Any, result)[0] if return_outputs else cast(Any, result)
+            loss = scaled_loss(meta, loss)  # this rank's mean x W x local / window; 0 on a pad
+        return (loss, cast(Any, result)[1]) if return_outputs else loss
+
+    def _hf_loss_factor(self, sums: bool) -> float:
+        """What Trainer.compute_loss multiplies a num_items-normalised loss by."""
+        if not (self.args.average_tokens_across_devices and sums):
+            return 1.0
+        return float(self.accelerator.num_processes // self.get_tp_size())
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
+        """`Trainer.train`; a resumed run continues the loader from the checkpoint."""
+        checkpoint: Any = resume_from_checkpoint
+        if checkpoint is True:
+            found = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call]
+            checkpoint = found if found is not None else True  # the Trainer raises
+        self._odb_resume_dir = (
+            os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else None
+        )
+        skip = self.args.ignore_data_skip
+        self.args.ignore_data_skip = True  # no skip_first_batches: the loader state resumes
+        try:
+            return super().train(
+                resume_from_checkpoint=checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+            )
+        finally:
+            self.args.ignore_data_skip = skip
+            self._odb_resume_dir = None
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        folder = Path(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        self.save_odb_state(folder)
+        super()._save_checkpoint(model, trial)
+
+    def save_odb_state(self, folder: str | os.PathLike[str]) -> None:
+        """Write this rank's loader state (and, on rank 0, the schedule length) into
+        a checkpoint folder."""
+        loader = self.odb_loader
+        if loader is None:
+            return
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_json(folder / LOADER_STATE.format(rank=loader.rank), loader.state_dict())
+        if self.args.should_save:
+            _write_json(
+                folder / TRAINER_STATE,
+                {
+                    "schedule_steps": self._odb_schedule_steps,
+                    "num_train_epochs": self._odb_target_epochs,
+                    "world_size": loader.world_size,
+                    "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                },
+            )
+
+    def _load_odb_state(self, folder: str) -> None:
+        loader = self.odb_loader
+        assert loader is not None
+        path = Path(folder)
+        files = sorted(path.glob(LOADER_STATE.format(rank="*")))
+        if not files:
+            raise ConfigError(
+                f"checkpoint {folder} has no ODB loader state ({LOADER_STATE.format(rank='*')}): "
+                "it was not written by ODBTrainer, so the epoch cannot resume exactly once. "
+                "Resume from a checkpoint ODBTrainer saved, or start the training anew"
+            )
+        states = {int(f.stem.rsplit("rank", 1)[1]): json.loads(f.read_text()) for f in files}
+        if sorted(states) != list(range(len(states))):
+            raise ConfigError(f"checkpoint {folder}: loader states of ranks {sorted(states)}")
+        if len(states) == loader.world_size:
+            loader.load_state_dict(states[loader.rank])
+        else:  # another world size: every rank merges all the saved states
+            loader.load_state_dict([states[r] for r in range(len(states))])
+        meta_file = path / TRAINER_STATE
+        if meta_file.exists():
+            saved = json.loads(meta_file.read_text())
+            if saved.get("schedule_steps"):
+                self._odb_saved_schedule = int(saved["schedule_steps"])
+        if _closed(loader) and self._odb_batches is not None:
+            # Saved at an epoch's end: that epoch counts as done.
+            done = _finished_epoch(loader) + 1
+            target = self.args.num_train_epochs if self.args.max_steps <= 0 else None
+            if target is not None and done >= target:
+                self._odb_batches.finished = True
+
+
+class _ODBCallback(TrainerCallback):
+    """Keeps the Trainer's progress bar, fractional logging/eval/save steps and
+    `state.epoch` on the loader's epochs and the estimated optimizer steps."""
+
+    def __init__(self, trainer: ODBTrainer) -> None:
+        self.trainer = trainer
+
+    def _total(self) -> int | None:
+        t = self.trainer
+        return t._odb_schedule_steps if t._odb_target_epochs is not None else None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        total = self._total()
+        if total is None:
+            return
+        fractions = [getattr(args, f"{k}_steps", None) for k in ("logging", "eval", "save")]
+        if any(f is not None and 0 < f < 1 for f in fractions):
+            state.compute_steps(args, total)
+        for cb in self.trainer.callback_handler.callbacks:
+            bar = getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
+            if bar is not None:
+                bar.total = max(total, state.global_step)
+                bar.refresh()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        t = self.trainer
+        loader, infos = t.odb_loader, t.odb_window_info
+        if loader is not None and infos and infos[-1] is not None:
+            done = infos[-1].step + 1
+            fraction = min(done / max(1, t._odb_epoch_steps_estimate), 0.999)
+            state.epoch = loader.epoch + fraction
+        for cb in t.callback_handler.callbacks:
+            bar = getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
+            if bar is not None and bar.total is not None and bar.n > bar.total:
+                bar.total = bar.n
+                bar.refresh()
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if control.should_training_stop:  # the bar ends full, not at the estimate
+            for cb in self.trainer.callback_handler.callbacks:
+                bar = (
+                    getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
+                )
+                if bar is not None:
+                    bar.total = bar.n
+                    bar.refresh()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.close_odb_loader()
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+
+def _finished_epoch(loader: ODBDataLoader) -> int:
+    """The epoch the loader has just finished."""
+    return int(loader.epoch)
+
+
+def _closed(loader: ODBDataLoader) -> bool:
+    return bool(loader.state_dict().get("closed"))
+
+
+def _field_default(cls: type, name: str) -> Any:
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.default
+    return None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
