@@ -66,6 +66,7 @@ from accelerate.state import GradientState  # type: ignore[import-untyped]
 from accelerate.utils import DistributedType, send_to_device  # type: ignore[import-untyped]
 
 from odb_core.errors import ConfigError
+from odb_core.integrations.versions import extra_range, in_range
 from odb_core.torch import ODBDataLoader
 
 __all__ = [
@@ -95,37 +96,14 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def _supported_range() -> str:
-    """The `[accelerate]` extra's version range from odb-core's metadata, if any."""
-    try:
-        from importlib.metadata import PackageNotFoundError, requires
-
-        from packaging.requirements import Requirement
-
-        for line in requires("odb-core") or []:
-            req = Requirement(line)
-            if (
-                req.name == "accelerate"
-                and req.marker is not None
-                and req.marker.evaluate({"extra": "accelerate"})
-                and str(req.specifier)
-            ):
-                return str(req.specifier)
-    except (PackageNotFoundError, ImportError, ValueError):
-        pass
-    return SUPPORTED_ACCELERATE
+    return extra_range("accelerate", "accelerate", SUPPORTED_ACCELERATE)
 
 
 def check_accelerate_version(version: str | None = None) -> bool:
     """Warn once when `accelerate.__version__` is outside the supported range."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
     version = accelerate.__version__ if version is None else version
     spec = _supported_range()
-    try:
-        ok = Version(version) in SpecifierSet(spec)
-    except InvalidVersion:
-        ok = False
+    ok = in_range(version, spec)
     if not ok:
         _warn_once(
             f"version:{version}",

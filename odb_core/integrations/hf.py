@@ -78,6 +78,7 @@ from transformers.trainer_utils import (
 
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
+from odb_core.integrations.versions import extra_range, in_range
 from odb_core.torch import ODBDataLoader
 from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, step_meta
 
@@ -134,38 +135,15 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def _supported_range() -> str:
-    """The `[hf]` extra's transformers range from odb-core's metadata, if installed."""
-    try:
-        from importlib.metadata import PackageNotFoundError, requires
-
-        from packaging.requirements import Requirement
-
-        for line in requires("odb-core") or []:
-            req = Requirement(line)
-            if (
-                req.name == "transformers"
-                and req.marker is not None
-                and req.marker.evaluate({"extra": "hf"})
-                and str(req.specifier)
-            ):
-                return str(req.specifier)
-    except (PackageNotFoundError, ImportError, ValueError):
-        pass
-    return SUPPORTED_TRANSFORMERS
+    return extra_range("transformers", "hf", SUPPORTED_TRANSFORMERS)
 
 
 def check_transformers_version(version: str | None = None) -> bool:
     """Warn once when `transformers.__version__` is outside the supported range;
     raise `ConfigError` when the Trainer lacks a method the adapter overrides."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
     version = transformers.__version__ if version is None else version
     spec = _supported_range()
-    try:
-        ok = Version(version) in SpecifierSet(spec)
-    except InvalidVersion:
-        ok = False
+    ok = in_range(version, spec)
     fix = f"pip install 'odb-core[hf]' (transformers{spec})"
     missing = [
         name

@@ -57,6 +57,7 @@ from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressB
 from torch.utils.data import DataLoader
 
 from odb_core.errors import ConfigError, ODBError, ODBPeerError
+from odb_core.integrations.versions import extra_range, in_range
 from odb_core.protocol import StepInfo
 from odb_core.resume import STATE_VERSION
 from odb_core.torch import ODBDataLoader, StepMeta, step_meta
@@ -114,37 +115,14 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def _supported_range() -> str:
-    """The `[lightning]` extra's version range from odb-core's metadata, if any."""
-    try:
-        from importlib.metadata import PackageNotFoundError, requires
-
-        from packaging.requirements import Requirement
-
-        for line in requires("odb-core") or []:
-            req = Requirement(line)
-            if (
-                req.name == "lightning"
-                and req.marker is not None
-                and req.marker.evaluate({"extra": "lightning"})
-                and str(req.specifier)
-            ):
-                return str(req.specifier)
-    except (PackageNotFoundError, ImportError, ValueError):
-        pass
-    return SUPPORTED_LIGHTNING
+    return extra_range("lightning", "lightning", SUPPORTED_LIGHTNING)
 
 
 def check_lightning_version(version: str | None = None) -> bool:
     """Warn once when `lightning.__version__` is outside the supported range."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
     version = lightning.__version__ if version is None else version
     spec = _supported_range()
-    try:
-        ok = Version(version) in SpecifierSet(spec)
-    except InvalidVersion:
-        ok = False
+    ok = in_range(version, spec)
     if not ok:
         _warn_once(
             f"version:{version}",
