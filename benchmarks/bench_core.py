@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from odb_core.checker import check
 from odb_core.config import ProtocolConfig
 from odb_core.cost import BatchStats, Budget, PackedTokens, PaddedTokens
 from odb_core.formers import FORMERS, FormerKind
-from odb_core.model import ModelConfig, round_robin_shards
 from odb_core.protocol import RankMachine
 from odb_core.sample import Sample
+from odb_core.verify.checker import check
+from odb_core.verify.model import ModelConfig, round_robin_shards
 
 
 def lognormal_stream(n: int, seed: int = 0) -> list[Sample]:

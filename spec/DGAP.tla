@@ -20,8 +20,8 @@
 (* variables are the fields of protocol.RankSnapshot, the others those of  *)
 (* model.GlobalState; the actions are model.Action names.  The Python      *)
 (* model's reachable state graph equals this spec's on small constants     *)
-(* (odb_core/conformance.py), and recorded runs are replayed through it    *)
-(* (Trace modules built by odb_core/tlc.py).                               *)
+(* (odb_core/verify/conformance.py), and recorded runs are replayed through it *)
+(* (Trace modules built by odb_core/verify/tlc/).                         *)
 (*                                                                         *)
 (* A batch is the set of its sample ids: the order inside a batch and its  *)
 (* oversize flag are functions of that set.  Oversized samples follow the  *)
@@ -401,7 +401,7 @@ Spec == Init /\ [][Next]_vars /\ Fairness
 LiveSpec == Init /\ [][Next]_vars /\ LiveFairness
 
 -----------------------------------------------------------------------------
-(* Invariants, named as in odb_core/invariants.py.                          *)
+(* Invariants, named as in odb_core/verify/invariants.py.                 *)
 
 ContributionType ==
     [offered : 0 .. M, final : BOOLEAN, samples : Seq(Nat), tokens : Seq(Nat),

@@ -5,7 +5,7 @@
 (* property of DGAP against one variant and must produce a counterexample, *)
 (* so no property is vacuously true (the habit of MongoDB's *_bug.cfg).    *)
 (*                                                                         *)
-(* The first ten mirror odb_core/bugs.py (BugVariant values); the others  *)
+(* The first ten mirror odb_core/verify/bugs.py (BugVariant values); the others *)
 (* break a rule the Python model cannot break without raising.             *)
 (* Actions keep DGAP's names so counterexamples read like DGAP traces.     *)
 (***************************************************************************)

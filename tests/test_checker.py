@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from odb_core.bugs import BugVariant
-from odb_core.checker import PROPERTIES, check
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget, PaddedTokens
 from odb_core.formers import FormerKind
-from odb_core.model import ModelConfig, round_robin_shards
+from odb_core.verify.bugs import BugVariant
+from odb_core.verify.checker import PROPERTIES, check
+from odb_core.verify.model import ModelConfig, round_robin_shards
 
 
 def model(world: int, n: int, k: int, mode: Mode = Mode.JOIN, **kw: object) -> ModelConfig:

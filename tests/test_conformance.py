@@ -15,15 +15,15 @@ import networkx as nx
 import pytest
 from test_tlc import BY_NAME, MANIFEST, manifest_results, require_tlc
 
-from odb_core.checker import check
-from odb_core.conformance import (
+from odb_core.verify.checker import check
+from odb_core.verify.conformance import (
     canonical_python,
     canonical_tlc,
     check_conformance,
     compare_graphs,
     parse_dot,
 )
-from odb_core.model import GlobalModel, round_robin_shards
+from odb_core.verify.model import GlobalModel, round_robin_shards
 
 CONFORMANCE = [m.name for m in MANIFEST if m.conformance]
 

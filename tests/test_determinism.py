@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget, PaddedTokens
-from odb_core.model import GlobalModel, ModelConfig, round_robin_shards
+from odb_core.verify.model import GlobalModel, ModelConfig, round_robin_shards
 
 
 def emissions(cfg: ModelConfig, seed: int) -> list[list[tuple[int, ...] | None]]:

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from odb_core.bugs import BugVariant
 from odb_core.cli import main
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget
 from odb_core.protocol import RankMachine
 from odb_core.sample import Sample
+from odb_core.verify.bugs import BugVariant
 from simulator.fuzz import (
     Schedule,
     fuzz,

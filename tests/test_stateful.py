@@ -19,14 +19,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from odb_core.bugs import BugVariant
 from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
 from odb_core.cost import AttentionAware, Budget, PackedTokens, PaddedTokens
 from odb_core.formers import FormerKind
-from odb_core.invariants import INVARIANTS
-from odb_core.model import Action, GlobalModel, GlobalState, ModelConfig
 from odb_core.protocol import RankMachine, StepInfo, rounds_bound, steps_bound
 from odb_core.sample import Sample
+from odb_core.verify.bugs import BugVariant
+from odb_core.verify.invariants import INVARIANTS
+from odb_core.verify.model import Action, GlobalModel, GlobalState, ModelConfig
 from odb_core.window import WindowBuffer
 
 

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from odb_core import tlc
-from odb_core.bugs import BugVariant
-from odb_core.checker import check
 from odb_core.cli import main
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import AttentionAware, Budget
 from odb_core.formers import FormerKind
-from odb_core.invariants import INVARIANTS
-from odb_core.model import ModelConfig, round_robin_shards
+from odb_core.verify import tlc
+from odb_core.verify.bugs import BugVariant
+from odb_core.verify.checker import check
+from odb_core.verify.invariants import INVARIANTS
+from odb_core.verify.model import ModelConfig, round_robin_shards
 
 MANIFEST = tlc.load_manifest()
 BY_NAME = {m.name: m for m in MANIFEST}
@@ -61,8 +61,12 @@ def test_generated_model_files_are_up_to_date() -> None:
         if not m.generated:
             continue  # the hand-written inductive checks
         tla, cfg = m.render()
-        assert (spec / f"{m.name}.tla").read_text() == tla, "run: python -m odb_core.tlc write"
-        assert (spec / f"{m.name}.cfg").read_text() == cfg, "run: python -m odb_core.tlc write"
+        assert (spec / f"{m.name}.tla").read_text() == tla, (
+            "run: python -m odb_core.verify.tlc write"
+        )
+        assert (spec / f"{m.name}.cfg").read_text() == cfg, (
+            "run: python -m odb_core.verify.tlc write"
+        )
 
 
 def test_spec_invariants_mirror_the_python_ones() -> None:

@@ -9,11 +9,11 @@ from functools import cache
 
 import pytest
 
-from odb_core.checker import check
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget
-from odb_core.model import GlobalModel, GlobalState, ModelConfig, round_robin_shards
 from odb_core.protocol import rounds_bound, steps_bound
+from odb_core.verify.checker import check
+from odb_core.verify.model import GlobalModel, GlobalState, ModelConfig, round_robin_shards
 
 Emission = tuple[tuple[tuple[int, ...] | None, ...], ...]
 

@@ -22,10 +22,10 @@ torch = pytest.importorskip("torch")
 import torch.multiprocessing as mp  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
-import odb_core.trace as odb_trace  # noqa: E402
+import odb_core.verify.trace as odb_trace  # noqa: E402
 from odb_core import ODBDataLoader, StepMeta, step_meta  # noqa: E402
 from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
-from odb_core.trace import ProtocolTrace, validate_trace  # noqa: E402
+from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(180)]
 

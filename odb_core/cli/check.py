@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from odb_core import tlc
-from odb_core.bugs import BugVariant
-from odb_core.checker import PROPERTIES, CheckReport, check
 from odb_core.cli.options import enum_choice, int_list, positive_int
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget
 from odb_core.formers import FormerKind
-from odb_core.model import ModelConfig, round_robin_shards
+from odb_core.verify import tlc
+from odb_core.verify.bugs import BugVariant
+from odb_core.verify.checker import PROPERTIES, CheckReport, check
+from odb_core.verify.model import ModelConfig, round_robin_shards
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -257,7 +257,7 @@ def check_manifest(
 ) -> dict[str, Any]:
     """Run TLC on `models` (and, for `both`, the Python checker and the state-graph
     comparison); one JSON-friendly object with every model vs its pins."""
-    from odb_core.conformance import compare_graphs, parse_dot
+    from odb_core.verify.conformance import compare_graphs, parse_dot
 
     both = engine == "both"
     with tempfile.TemporaryDirectory(prefix="odb-check-") as tmp:
@@ -364,7 +364,7 @@ def format_manifest(out: dict[str, Any]) -> str:
 
 def run_adhoc(args: argparse.Namespace, engine: str) -> int:
     """TLC (and, for `both`, the Python checker and conformance) on the options' model."""
-    from odb_core.conformance import check_conformance
+    from odb_core.verify.conformance import check_conformance
 
     start = time.perf_counter()
     cfg = model_from_args(args)
@@ -408,7 +408,8 @@ def run_adhoc(args: argparse.Namespace, engine: str) -> int:
 
 def run_trace(args: argparse.Namespace) -> int:
     """Validate a recorded trace with the Python model and/or TLC."""
-    from odb_core.trace import ProtocolTrace, validate_trace, validate_trace_tlc
+    from odb_core.verify.tlc import validate_trace_tlc
+    from odb_core.verify.trace import ProtocolTrace, validate_trace
 
     engine = args.engine or "both"
     trace = ProtocolTrace.merge(args.trace)
@@ -462,8 +463,8 @@ def demo_section() -> bool:
             f"  depth {row['depth'] or 0:>3}{extra}"
         )
     ok = bool(out["ok"])
-    from odb_core.conformance import record_random_trace
-    from odb_core.trace import validate_trace_tlc
+    from odb_core.verify.conformance import record_random_trace
+    from odb_core.verify.tlc import validate_trace_tlc
 
     cfg = next(m for m in models if m.name == "MCjoin_w3_n6_k1").model_config()
     report = validate_trace_tlc(record_random_trace(cfg, seed=7))

@@ -6,11 +6,11 @@ import argparse
 import time
 from collections.abc import Callable
 
-from odb_core.bugs import BugVariant
-from odb_core.checker import check
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget
-from odb_core.model import ModelConfig, round_robin_shards
+from odb_core.verify.bugs import BugVariant
+from odb_core.verify.checker import check
+from odb_core.verify.model import ModelConfig, round_robin_shards
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -8,8 +8,8 @@ import json
 import sys
 from typing import Any
 
-from odb_core.bugs import BugVariant
 from odb_core.cli.options import enum_choice, positive_int
+from odb_core.verify.bugs import BugVariant
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -74,7 +74,7 @@ from odb_core.torch.source import (
 )
 from odb_core.torch.state import fingerprint
 from odb_core.torch.transport import GlooTransport, LocalTransport, Transport
-from odb_core.trace import TracingRankMachine, cost_model_from_dict
+from odb_core.verify.trace import TracingRankMachine, cost_model_from_dict
 
 __all__ = ["ODBDataLoader"]
 

@@ -23,10 +23,10 @@ from typing import Any
 from odb_core.config import ProtocolConfig
 from odb_core.cost import AttentionAware, Budget, CostModel, Multimodal, PackedTokens, PaddedTokens
 from odb_core.errors import ConfigError
-from odb_core.invariants import INVARIANTS
-from odb_core.model import Action, GlobalModel, GlobalState, ModelConfig
 from odb_core.protocol import Contribution, RankMachine, RoundResult
 from odb_core.sample import Sample
+from odb_core.verify.invariants import INVARIANTS
+from odb_core.verify.model import Action, GlobalModel, GlobalState, ModelConfig
 
 #: 2: the all-gather vector carries loss tokens (2 + 3M integers), Receives `sync`.
 TRACE_VERSION = 2
@@ -324,19 +324,3 @@ def _first_violation(state: GlobalState, cfg: ModelConfig) -> str:
         if reason is not None:
             return f"{name}: {reason}"
     return ""
-
-
-def validate_trace_tlc(trace: ProtocolTrace, *, timeout: float | None = 600) -> TraceReport:
-    """Replay a recorded trace through spec/DGAP.tla with the TLC model checker.
-
-    The per-rank logs are linearised without the Python model (each rank up to
-    its Contribute, AllGather, each rank up to its Receive, and so on) and inlined
-    into a Trace module; TLC accepts the trace when every event is a step of the
-    spec, every recorded decision equals the spec's, every invariant holds and the
-    epoch ends with the log. Needs Java and tla2tools.jar (see odb_core.tlc).
-    """
-    from odb_core.tlc import check_trace
-
-    result = check_trace(trace, timeout=timeout)
-    labels = [e.label for e in result.events]
-    return TraceReport(result.ok, labels, result.reason, result.model, result.id_map)

@@ -15,7 +15,6 @@ from dataclasses import replace
 from odb_core.batch import Batch
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget
-from odb_core.model import ModelConfig, round_robin_shards
 from odb_core.protocol import (
     Contribution,
     RankAction,
@@ -23,6 +22,7 @@ from odb_core.protocol import (
     RankPhase,
     RoundResult,
 )
+from odb_core.verify.model import ModelConfig, round_robin_shards
 
 
 class SilentStop(RankMachine):

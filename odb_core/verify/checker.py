@@ -19,9 +19,9 @@ from typing import Any
 import networkx as nx
 
 from odb_core.errors import ODBError
-from odb_core.invariants import INVARIANTS
-from odb_core.model import GlobalModel, GlobalState, ModelConfig
 from odb_core.protocol import rounds_bound, steps_bound
+from odb_core.verify.invariants import INVARIANTS
+from odb_core.verify.model import GlobalModel, GlobalState, ModelConfig
 
 GRAPH_PROPERTIES = ("DeadlockFreedom", "Termination")
 PROPERTIES = (*INVARIANTS, *GRAPH_PROPERTIES)

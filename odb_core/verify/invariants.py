@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from odb_core.config import Mode
 from odb_core.cost import BatchStats
-from odb_core.model import GlobalState, ModelConfig
 from odb_core.protocol import RankPhase, rounds_bound, steps_bound
+from odb_core.verify.model import GlobalState, ModelConfig
 
 Check = Callable[[GlobalState, ModelConfig], "str | None"]
 

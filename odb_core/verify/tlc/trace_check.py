@@ -1,0 +1,274 @@
+"""Trace validation: a recorded run, replayed through the spec by TLC."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from odb_core.errors import ConfigError, ODBError
+from odb_core.protocol import Contribution
+from odb_core.verify.model import ModelConfig
+from odb_core.verify.tlc.install import SPEC_INVARIANTS, SpecUnsupported
+from odb_core.verify.tlc.render import spec_constants, tla_value
+from odb_core.verify.tlc.run import TLCResult, run_tlc
+from odb_core.verify.trace import ProtocolTrace, TraceReport, trace_model
+
+# ---------------------------------------------------------------------------
+# Trace validation: a recorded run, replayed through the spec by TLC
+
+TRACE_MODULE = "TraceDGAP"
+
+_TRACE_DEFS = r"""NoVec == [offered |-> 0, final |-> FALSE, samples |-> <<>>, tokens |-> <<>>,
+          loss_tokens |-> <<>>]
+\* y: for each step of a Receive, whether an optimizer window closed at it
+\* (its sync_gradients); yk: y was recorded (older traces lack it).
+Ev(a, r, i, c, s, y, yk, d) ==
+    [a |-> a, r |-> r, i |-> i, c |-> c, s |-> s, y |-> y, yk |-> yk, d |-> d]
+Obs(r, i) == Ev("Observe", r, i, NoVec, <<>>, <<>>, FALSE, FALSE)
+Exh(r) == Ev("Exhaust", r, 0, NoVec, <<>>, <<>>, FALSE, FALSE)
+Frm(r) == Ev("Form", r, 0, NoVec, <<>>, <<>>, FALSE, FALSE)
+Con(r, o, f, s, t, l) ==
+    Ev("Contribute", r, 0,
+       [offered |-> o, final |-> f, samples |-> s, tokens |-> t, loss_tokens |-> l],
+       <<>>, <<>>, FALSE, FALSE)
+Gat == Ev("AllGather", 0, 0, NoVec, <<>>, <<>>, FALSE, FALSE)
+Rcv(r, s, d) == Ev("Receive", r, 0, NoVec, s, <<>>, FALSE, d)
+RcvW(r, s, y, d) == Ev("Receive", r, 0, NoVec, s, y, TRUE, d)
+"""
+
+_TRACE_SPEC = r"""
+\* Receive: the recorded steps are the spec's, batch by batch (a pad is {}),
+\* the recorded window boundaries (when recorded) are the spec's, and the
+\* recorded end of epoch is the spec's.
+Ends(r) == {windows'[r][i].end : i \in DOMAIN windows'[r]}
+Emits(e) ==
+    /\ steps'[e.r] = steps[e.r] + Len(e.s)
+    /\ \A t \in 1 .. Len(e.s) :
+        e.s[t] = IF t <= Len(ready[e.r]) THEN ready[e.r][t] ELSE {}
+    /\ e.yk =>
+        /\ Len(e.y) = Len(e.s)
+        /\ \A t \in 1 .. Len(e.y) : e.y[t] = (steps[e.r] + t \in Ends(e.r))
+    /\ (phase'[e.r] = "done") = e.d
+
+TraceStep(e) ==
+    CASE e.a = "Observe" -> Observe(e.r, e.i)
+      [] e.a = "Exhaust" -> Exhaust(e.r)
+      [] e.a = "Form" -> Form(e.r)
+      [] e.a = "Contribute" -> Contribute(e.r) /\ contribution'[e.r] = e.c
+      [] e.a = "AllGather" -> AllGather
+      [] e.a = "Receive" -> Receive(e.r) /\ Emits(e)
+
+TraceInit == Init /\ pc = 0
+TraceNext == pc < Len(Log) /\ TraceStep(Log[pc + 1]) /\ pc' = pc + 1
+\* The only way to stop without a deadlock: the whole log replayed, epoch over.
+TraceEnd == pc = Len(Log) /\ AllDone /\ UNCHANGED <<vars, pc>>
+TraceNextOrEnd == TraceNext \/ TraceEnd
+"""
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One event of the linearised trace: rank (None for AllGather), its index in
+    the rank's log, the event, and its model action label."""
+
+    rank: int | None
+    index: int
+    event: dict[str, Any]
+    label: str
+
+
+def linearize(ranks: Sequence[Sequence[dict[str, Any]]]) -> list[tuple[int | None, int]]:
+    """A total order of per-rank logs that respects each rank's order and the
+    rendezvous: each rank up to its next Contribute, then AllGather, then each
+    rank up to its next Receive, and again. Ranks interact only through the
+    all-gather, so a legal trace is legal in this order. Returns (rank, index)
+    pairs; (None, -1) is an AllGather."""
+    cursors = [0] * len(ranks)
+    order: list[tuple[int | None, int]] = []
+
+    def run_until(r: int, action: str) -> bool:
+        events = ranks[r]
+        moved = False
+        while cursors[r] < len(events):
+            name = events[cursors[r]].get("action")
+            order.append((r, cursors[r]))
+            cursors[r] += 1
+            moved = True
+            if name == action:
+                break
+        return moved
+
+    while any(c < len(e) for c, e in zip(cursors, ranks, strict=True)):
+        before = list(cursors)
+        for r in range(len(ranks)):
+            run_until(r, "Contribute")
+        contributed = any(
+            cursors[r] > before[r] and ranks[r][cursors[r] - 1].get("action") == "Contribute"
+            for r in range(len(ranks))
+        )
+        if contributed:
+            order.append((None, -1))
+        for r in range(len(ranks)):
+            run_until(r, "Receive")
+        if cursors == before:
+            break
+    return order
+
+
+def _trace_log(
+    trace: Any, id_map: Mapping[int, int], max_steps: int
+) -> tuple[list[TraceEvent], list[str]]:
+    """The linearised events and their TLA+ literals."""
+    fresh = max(id_map.values(), default=-1) + 1
+    unknown: dict[int, int] = {}
+
+    def sid(raw: Any) -> int:
+        i = int(raw)
+        if i in id_map:
+            return id_map[i]
+        return unknown.setdefault(i, fresh + len(unknown))  # no such sample: TLC rejects
+
+    logs = [rt.events for rt in trace.ranks]
+    events: list[TraceEvent] = []
+    literals: list[str] = []
+    for r, idx in linearize(logs):
+        if r is None:
+            events.append(TraceEvent(None, -1, {"action": "AllGather"}, "AllGather"))
+            literals.append("Gat")
+            continue
+        e = logs[r][idx]
+        name = e.get("action")
+        if name == "Observe":
+            i = sid(e["sample"][0])
+            events.append(TraceEvent(r, idx, e, f"Observe({r},{i})"))
+            literals.append(f"Obs({r}, {i})")
+            continue
+        events.append(TraceEvent(r, idx, e, f"{name}({r})"))
+        if name == "Exhaust":
+            literals.append(f"Exh({r})")
+        elif name == "Form":
+            literals.append(f"Frm({r})")
+        elif name == "Contribute":
+            c = Contribution.from_vector(e["vector"], max_steps)
+            literals.append(
+                f"Con({r}, {c.offered}, {tla_value(c.final)}, {tla_value(c.samples)}, "
+                f"{tla_value(c.tokens)}, {tla_value(c.loss_tokens)})"
+            )
+        elif name == "Receive":
+            steps = [set() if s is None else {sid(i) for i in s} for s in e["steps"]]
+            seq, done = _tla_seq_of_sets(steps), tla_value(bool(e["done"]))
+            if e.get("sync") is None:
+                literals.append(f"Rcv({r}, {seq}, {done})")
+            else:
+                sync = tla_value([bool(x) for x in e["sync"]])
+                literals.append(f"RcvW({r}, {seq}, {sync}, {done})")
+        else:
+            raise ConfigError(f"unknown trace action {name!r} (rank {r}, event {idx})")
+    return events, literals
+
+
+def _tla_seq_of_sets(steps: Sequence[set[int]]) -> str:
+    return "<<" + ", ".join(tla_value(frozenset(s)) for s in steps) + ">>"
+
+
+def render_trace_module(cfg: ModelConfig, literals: Sequence[str]) -> tuple[str, str]:
+    """TraceDGAP.tla/.cfg: DGAP constrained to follow the given event literals."""
+    consts = spec_constants(cfg)
+    header = (
+        "\\* Generated by odb_core.verify.tlc: a recorded protocol trace, linearised; do not edit."
+    )
+    log = "Log == <<\n    " + ",\n    ".join(literals) + "\n>>" if literals else "Log == <<>>"
+    tla = "\n".join(
+        [
+            f"---- MODULE {TRACE_MODULE} ----",
+            header,
+            "EXTENDS DGAP",
+            "",
+            "VARIABLE pc",
+            "",
+            *(f"MC{k} == {v}" for k, v in consts.definitions.items()),
+            "",
+            _TRACE_DEFS,
+            log,
+            _TRACE_SPEC,
+            "====",
+            "",
+        ]
+    )
+    lines = [header, "CONSTANTS"]
+    lines += [f"    {k} = {v}" for k, v in consts.scalars.items()]
+    lines += [f"    {k} <- MC{k}" for k in consts.definitions]
+    lines += ["INIT TraceInit", "NEXT TraceNextOrEnd", "INVARIANT"]
+    lines += [f"    {i}" for i in SPEC_INVARIANTS]
+    return tla, "\n".join(lines) + "\n"
+
+
+@dataclass
+class TraceCheck:
+    """TLC's verdict on a recorded trace."""
+
+    ok: bool
+    reason: str
+    events: list[TraceEvent]
+    tlc: TLCResult | None
+    model: ModelConfig | None = None
+    id_map: dict[int, int] = field(default_factory=dict)
+
+
+def check_trace(trace: Any, *, timeout: float | None = 600) -> TraceCheck:
+    """Replay a `trace.ProtocolTrace` through DGAP with TLC. The trace is accepted
+    when TLC can take every event in order, each recorded decision (the vector,
+    the steps, the end of the epoch) equals the spec's, every invariant holds and
+    the epoch is over at the end."""
+    try:
+        cfg, id_map = trace_model(trace)
+        events, literals = _trace_log(trace, id_map, cfg.protocol.max_steps_per_round)
+        tla, cfg_text = render_trace_module(cfg, literals)
+    except SpecUnsupported as exc:
+        return TraceCheck(False, f"the spec does not model this run: {exc}", [], None)
+    except (ODBError, KeyError, TypeError, ValueError, IndexError) as exc:
+        return TraceCheck(False, f"malformed trace: {type(exc).__name__}: {exc}", [], None)
+    res = run_tlc(
+        TRACE_MODULE,
+        {f"{TRACE_MODULE}.tla": tla, f"{TRACE_MODULE}.cfg": cfg_text},
+        deadlock=True,
+        timeout=timeout,
+    )
+    check = TraceCheck(False, "", events, res, cfg, dict(id_map))
+    pc = None
+    if res.trace:
+        last = res.trace[-1].state.get("pc")
+        pc = last if isinstance(last, int) else None
+    if res.result == "ok":
+        check.ok, check.reason = True, ""
+    elif res.result == "deadlock" and pc is not None:
+        if pc >= len(events):
+            check.reason = "the trace ends before every rank finished the epoch"
+        else:
+            ev = events[pc]
+            where = "AllGather" if ev.rank is None else f"rank {ev.rank}'s event {ev.index}"
+            check.reason = (
+                f"event {pc + 1} of {len(events)}, {ev.label} ({where}), is not a step of "
+                "DGAP here: it is not enabled, or its recorded decision differs from the spec's"
+            )
+    elif res.result == "invariant":
+        at = f" after event {pc} ({events[pc - 1].label})" if pc else ""
+        check.reason = f"invariant {res.violated} is violated{at}"
+    else:
+        check.reason = f"TLC {res.result}: {res.message}"
+    return check
+
+
+def validate_trace_tlc(trace: ProtocolTrace, *, timeout: float | None = 600) -> TraceReport:
+    """Replay a recorded trace through spec/DGAP.tla with the TLC model checker.
+
+    The per-rank logs are linearised without the Python model (each rank up to
+    its Contribute, AllGather, each rank up to its Receive, and so on) and inlined
+    into a Trace module; TLC accepts the trace when every event is a step of the
+    spec, every recorded decision equals the spec's, every invariant holds and the
+    epoch ends with the log. Needs Java and tla2tools.jar (see odb_core.verify.tlc).
+    """
+    result = check_trace(trace, timeout=timeout)
+    labels = [e.label for e in result.events]
+    return TraceReport(result.ok, labels, result.reason, result.model, result.id_map)
