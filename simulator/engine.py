@@ -35,6 +35,7 @@ from odb_core.protocol import (
 from odb_core.sample import Sample
 from simulator.hardware import HardwareModel
 from simulator.pipeline import DataSource
+from simulator.slots import Columns, make_slot, mark_aborted
 from simulator.trainer import Slot, Trainer
 from simulator.workloads import Workload
 
@@ -229,38 +230,12 @@ def _positive(name: str, value: object) -> None:
 Progress = Callable[[int], None]
 
 
-class _Columns:
-    """The workload as Python lists (fast scalar access in the hot loops)."""
-
-    def __init__(self, w: Workload) -> None:
-        self.text: list[int] = w.text.tolist()
-        self.visual: list[int] = w.visual.tolist()
-        self.patches: list[int] = w.patches.tolist()
-        self.length: list[int] = w.length.tolist()
-        self.cached: list[int] = w.cached.tolist()
-        self.prep: list[float] = w.prep_s.tolist()
-        self.n = w.n
-
-    def sample(self, i: int) -> Sample:
-        return Sample(i, self.text[i], self.visual[i], self.patches[i])
-
-
-def _slot(lengths: Sequence[int], ids: tuple[int, ...], padded: bool, cost: float) -> Slot:
-    real = sum(lengths)
-    if padded:
-        mx = max(lengths)
-        compute = len(lengths) * mx
-        return Slot(ids, real, compute, compute * mx, compute, cost)
-    sq = sum(x * x for x in lengths)
-    return Slot(ids, real, real, sq, real, cost)
-
-
 class _Run:
     """State shared by the strategy runners of one simulation."""
 
     def __init__(self, cfg: SimConfig, progress: Progress | None) -> None:
         self.cfg = cfg
-        self.cols = _Columns(cfg.workload)
+        self.cols = Columns(cfg.workload)
         self.world = cfg.ranks
         self.progress = progress
         self.budget = cfg.token_budget
@@ -336,7 +311,7 @@ class _Run:
                 if t > ready:
                     ready = t
                 lens = [length[i] for i in batch]
-                slots.append(_slot(lens, tuple(batch), padded, self.cost_of(batch)))
+                slots.append(make_slot(lens, tuple(batch), padded, self.cost_of(batch)))
                 self.events += len(batch)
             prev_end = tr.end
             if not tr.step(ready, slots):
@@ -346,11 +321,11 @@ class _Run:
                 self.progress(sum(len(x.ids) for x in slots))
         out = tr.metrics()
         out["timeline"] = tr.timeline()
-        out["fault"] = self._ddp_fault(tr)
-        _mark_aborted(out)
+        out["fault"] = self.ddp_fault(tr)
+        mark_aborted(out)
         return {"metrics": out, "trainer": tr}
 
-    def _ddp_fault(self, tr: Trainer) -> dict[str, Any] | None:
+    def ddp_fault(self, tr: Trainer) -> dict[str, Any] | None:
         f = self.cfg.faults
         if f.dead_rank is None:
             return None
@@ -528,7 +503,7 @@ class _Run:
             first_start: float | None = None
             for t_idx in range(k):
                 infos = [res.steps[t_idx] for res in results]
-                slots = [self._odb_slot(info, padded, violations) for info in infos]
+                slots = [self._odbmake_slot(info, padded, violations) for info in infos]
                 self._check_step(infos, violations)
                 prev_end = tr.end
                 if not tr.step(t_g, slots):
@@ -563,10 +538,10 @@ class _Run:
         out["violations"] = violations
         out["timeline"] = tr.timeline()
         out["fault"] = fault
-        _mark_aborted(out)
+        mark_aborted(out)
         return {"metrics": out, "trainer": tr}
 
-    def _odb_slot(self, info: StepInfo, padded: bool, violations: list[str]) -> Slot:
+    def _odbmake_slot(self, info: StepInfo, padded: bool, violations: list[str]) -> Slot:
         if info.is_pad or info.batch is None:
             return self.pad_slot
         samples = info.batch.samples
@@ -575,7 +550,7 @@ class _Run:
         if cost > self.budget and not (len(samples) == 1 and info.batch.oversize):
             violations.append(f"rank {info.rank} step {info.step}: batch over budget ({cost:g})")
         lens = [s.tokens + s.visual_tokens for s in samples]
-        return _slot(lens, info.batch.ids, padded, cost)
+        return make_slot(lens, info.batch.ids, padded, cost)
 
     @staticmethod
     def _check_step(infos: Sequence[StepInfo], violations: list[str]) -> None:
@@ -655,15 +630,6 @@ class _Run:
             "epoch_completed": False,
             "steps_before_failure": tr.steps,
         }
-
-
-def _mark_aborted(out: dict[str, Any]) -> None:
-    """An epoch cut short by a dead rank has no meaningful loss count: the ids it did
-    not reach are reported as `undelivered_ids` instead."""
-    f = out.get("fault")
-    if f and not f.get("epoch_completed", True):
-        out["undelivered_ids"] = out["lost_ids"]
-        out["lost_ids"] = None
 
 
 def simulate(cfg: SimConfig, progress: Progress | None = None) -> dict[str, Any]:

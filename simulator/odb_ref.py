@@ -18,12 +18,15 @@ import importlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from simulator.slots import Columns, make_slot, mark_aborted
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator, Sequence
 
-    from simulator.engine import _Run
+    from simulator.pipeline import DataSource
+    from simulator.trainer import Slot, Trainer
 
 MAX_REF_RANKS = 64
 _WARMUP_STEP = 0.05  # the package's documented warm-up ramp of the buffer threshold
@@ -118,9 +121,26 @@ def _invoke(job: tuple[Any, int, int, int, list[list[dict[str, Any]]], bool, int
     )
 
 
-def run(run: _Run) -> dict[str, Any]:
-    from simulator.engine import _mark_aborted, _slot
+class RunContext(Protocol):
+    """What this comparator needs from the engine's run (the engine implements it;
+    typed here so that this module never imports the engine)."""
 
+    cfg: Any
+    world: int
+    cols: Columns
+    perm: list[int]
+    budget: int
+    events: int
+    pad_slot: Slot
+    progress: Callable[[int], None] | None
+
+    def trainer(self, budget: float) -> Trainer: ...
+    def source(self, r: int, order: Sequence[int], depth: int) -> DataSource: ...
+    def cost_of(self, ids: Sequence[int], cached: bool = False) -> float: ...
+    def ddp_fault(self, tr: Trainer) -> dict[str, Any] | None: ...
+
+
+def run(run: RunContext) -> dict[str, Any]:
     cfg, w, cols = run.cfg, run.world, run.cols
     shards = [run.perm[r::w] for r in range(w)]
     depth = max(cfg.prefetch_factor * cfg.num_workers, cfg.buffer_size)
@@ -182,7 +202,7 @@ def run(run: _Run) -> dict[str, Any]:
                     if t_idx < len(emitted[r]):
                         ids = tuple(int(s["_id"]) for s in emitted[r][t_idx])
                         lens = [cols.length[i] for i in ids]
-                        slots.append(_slot(lens, ids, padded, run.cost_of(ids)))
+                        slots.append(make_slot(lens, ids, padded, run.cost_of(ids)))
                     else:
                         slots.append(run.pad_slot)
                 prev_end = tr.end
@@ -199,6 +219,6 @@ def run(run: _Run) -> dict[str, Any]:
     leftover = sum(len(b) for st in states for b in st.data_buffer)
     out.update({"rounds": rounds, "left_in_buffers": leftover, "violations": []})
     out["timeline"] = tr.timeline()
-    out["fault"] = run._ddp_fault(tr) if cfg.faults.dead_rank is not None else None
-    _mark_aborted(out)
+    out["fault"] = run.ddp_fault(tr) if cfg.faults.dead_rank is not None else None
+    mark_aborted(out)
     return {"metrics": out, "trainer": tr}
