@@ -13,11 +13,15 @@ from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolCon
 from odb_core.cost import AttentionAware, BatchStats, Budget, Multimodal, PackedTokens, PaddedTokens
 from odb_core.errors import (
     ConfigError,
+    DuplicateIdError,
     DuplicateSampleError,
     ODBError,
     ODBPeerError,
     OversizeSampleError,
+    PeerFault,
     ProtocolError,
+    ResumeMismatchError,
+    ResumeStateError,
     SampleError,
 )
 from odb_core.formers import FormerKind, best_fit_decreasing, sort_window_greedy
@@ -37,11 +41,15 @@ if TYPE_CHECKING:
     from odb_core.torch import SampleLoadError as SampleLoadError
     from odb_core.torch import StepMeta as StepMeta
     from odb_core.torch import causal_lm_loss as causal_lm_loss
+    from odb_core.torch import check_packed_model as check_packed_model
     from odb_core.torch import merge_states as merge_states
+    from odb_core.torch import pack_collate as pack_collate
+    from odb_core.torch import pad_collate as pad_collate
     from odb_core.torch import pop_step_meta as pop_step_meta
     from odb_core.torch import scale_loss as scale_loss
     from odb_core.torch import scaled_loss as scaled_loss
     from odb_core.torch import step_meta as step_meta
+    from odb_core.torch import use_packed_attention as use_packed_attention
 
 __version__ = "0.1.0"
 
@@ -52,11 +60,15 @@ _TORCH_EXPORTS = (
     "SampleLoadError",
     "StepMeta",
     "causal_lm_loss",
+    "check_packed_model",
     "merge_states",
+    "pack_collate",
+    "pad_collate",
     "pop_step_meta",
     "scale_loss",
     "scaled_loss",
     "step_meta",
+    "use_packed_attention",
 )
 
 
@@ -75,6 +87,7 @@ __all__ = [
     "Budget",
     "ConfigError",
     "Contribution",
+    "DuplicateIdError",
     "DuplicateSampleError",
     "FormerKind",
     "LossNormalization",
@@ -86,10 +99,13 @@ __all__ = [
     "OversizeSampleError",
     "PackedTokens",
     "PaddedTokens",
+    "PeerFault",
     "ProtocolConfig",
     "ProtocolError",
     "RankMachine",
     "RankPhase",
+    "ResumeMismatchError",
+    "ResumeStateError",
     "RoundDecision",
     "Sample",
     "SampleError",

@@ -124,6 +124,49 @@ def best_fit_decreasing(
 
 Former = Callable[[Sequence[Sample], Budget, CostModel, bool], FormResult]
 
+
+def carried_first(
+    former: Former,
+    window: Sequence[Sample],
+    carried: frozenset[int],
+    budget: Budget,
+    model: CostModel,
+    flush: bool,
+) -> FormResult:
+    """`former` with the window's carried samples (quota mode: ids a past pass did
+    not emit) formed ahead of fresh ones (proofs/cross_epoch_fairness.md).
+
+    A window of carried samples only is formed as usual (its leftovers, carried,
+    lead the next window). Once fresh samples share the window, the carried ones
+    are sealed first (formed alone, flushed), the fresh ones fill what room those
+    batches have left (longest first, first fit), and the rest are formed as
+    usual. So every batch holding a carried id precedes every batch without one.
+    Without a carried sample in the window this is `former` itself; the contract
+    holds, since each part keeps it and a top-up only adds what fits."""
+    if not carried:
+        return former(window, budget, model, flush)
+    new = [s for s in window if s.id not in carried]
+    if len(new) == len(window) or not new:
+        return former(window, budget, model, flush)
+    head = former([s for s in window if s.id in carried], budget, model, True)
+    bins = [list(b.samples) for b in head.batches]
+    stats = [None if b.oversize else BatchStats.of(b.samples) for b in head.batches]
+    rest: list[Sample] = []
+    for s in _longest_first(new):
+        for j, st in enumerate(stats):
+            if st is not None and budget.fits(st.add(s), model):
+                bins[j].append(s)
+                stats[j] = st.add(s)
+                break
+        else:
+            rest.append(s)
+    batches = [Batch(tuple(b), h.oversize) for b, h in zip(bins, head.batches, strict=True)]
+    if not rest:
+        return FormResult(batches, [])
+    tail = former(rest, budget, model, flush)
+    return FormResult(batches + tail.batches, tail.leftovers)
+
+
 FORMERS: dict[FormerKind, Former] = {
     FormerKind.SORT_WINDOW_GREEDY: sort_window_greedy,
     FormerKind.BEST_FIT_DECREASING: best_fit_decreasing,

@@ -19,11 +19,17 @@ disjoint and every ledger id is removed from every partition, each id is in at
 most one rank's order, once: the core's one-id-once-per-epoch rule holds. A
 carried id comes before any id of the new epoch on its rank, so it is observed
 first; whatever the new epoch still does not emit is carried again.
+
+The core forms carried ids ahead of fresh ones (`ProtocolConfig.carried`,
+`formers.carried_first`), so a carried id is emitted by the next pass under the
+hypotheses of proofs/cross_epoch_fairness.md. `ages` reports, per carried id,
+how many passes in a row it has been carried (1: only by the last one); the
+theorem bounds it by 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from odb_core.errors import ConfigError
 
@@ -131,3 +137,11 @@ def without(ledgers: Ledgers, done: frozenset[int] | set[int]) -> Ledgers:
     if not done:
         return ledgers
     return tuple(tuple(i for i in part if i not in done) for part in ledgers)
+
+
+def ages(ledgers: Ledgers, before: Mapping[int, int] | None = None) -> dict[int, int]:
+    """Each id of `ledgers` (what a pass did not emit) with its age: the passes in
+    a row it has been carried out of. `before` holds the ages of the ids that
+    pass started with; an id it emitted drops out, one it carried again ages."""
+    prev = before or {}
+    return {i: prev.get(i, 0) + 1 for i in ledger_ids(ledgers)}

@@ -40,7 +40,7 @@ from odb_core.errors import (
     OversizeSampleError,
     ProtocolError,
 )
-from odb_core.formers import FORMERS
+from odb_core.formers import FORMERS, FormResult, carried_first
 from odb_core.sample import Sample
 
 
@@ -358,9 +358,7 @@ class RankMachine:
         """Run the former on the window; closed batches become ready."""
         self._require(RankAction.FORM)
         flush = len(self.buffer) < self.config.buffer_size
-        result = self._former(
-            list(self.buffer.values()), self.config.budget, self.config.cost_model, flush
-        )
+        result = self._run_former(list(self.buffer.values()), flush)
         self.ready.extend(result.batches)
         self.buffer = {s.id: s for s in result.leftovers}
         return result.batches
@@ -450,6 +448,11 @@ class RankMachine:
         return m
 
     # ---- internals -----------------------------------------------------
+
+    def _run_former(self, window: list[Sample], flush: bool) -> FormResult:
+        """The configured former; quota mode forms carried samples first."""
+        c = self.config
+        return carried_first(self._former, window, c.carried, c.budget, c.cost_model, flush)
 
     def _make_contribution(self) -> Contribution:
         m = self.config.max_steps_per_round

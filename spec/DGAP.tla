@@ -87,11 +87,14 @@ VARIABLES
     pending,        \* per rank: ids its source has not yielded yet
     inbox,          \* per rank: the gathered round it has not consumed, or NoValue
     delivered,      \* per id: how many times it was emitted in a real batch
-    ledger          \* ids carried to the next epoch by a quota-mode close
+    ledger,         \* ids carried to the next epoch by a quota-mode close
+    step_batches,   \* per rank: the batch run at each of its steps, {} for a pad
+    step_counts     \* per rank: <<global samples, cost tokens, loss tokens>> of each
+                    \* step it ran, as it decided them from the gathered vectors
 
 rankVars == <<phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution,
              window_loss, window_local, windows>>
-vars == <<rankVars, pending, inbox, delivered, ledger>>
+vars == <<rankVars, pending, inbox, delivered, ledger, step_batches, step_counts>>
 
 -----------------------------------------------------------------------------
 (* Arithmetic helpers (TLC 2.15 ships no CommunityModules).                *)
@@ -247,6 +250,13 @@ StepLocals(r, n, real) == [t \in 1 .. n |-> IF t <= real THEN LossTokens(ready[r
 EmitWindows(r, d, real) ==
     CloseAtEnd(FoldSteps(WindowState(r), d, StepLocals(r, d.steps, real), 1), d.done)
 
+\* The batches rank r runs at the n decided steps: its first `real` queued
+\* batches, then pads ({}); and the decided steps' global counts.
+RunBatches(r, n, real) == [t \in 1 .. n |-> IF t <= real THEN ready[r][t] ELSE {}]
+StepCounts(d) ==
+    [t \in 1 .. d.steps |->
+        <<d.global_samples[t], d.global_tokens[t], d.global_loss_tokens[t]>>]
+
 -----------------------------------------------------------------------------
 (* Which local action a rank may take (RankMachine.enabled).                *)
 
@@ -284,6 +294,8 @@ Init ==
     /\ inbox = [r \in Ranks |-> NoValue]
     /\ delivered = [i \in Ids |-> 0]
     /\ ledger = {}
+    /\ step_batches = [r \in Ranks |-> <<>>]
+    /\ step_counts = [r \in Ranks |-> <<>>]
 
 \* Sample i arrives from rank r's source (in id order when Deterministic).
 Observe(r, i) ==
@@ -293,7 +305,8 @@ Observe(r, i) ==
     /\ buffer' = [buffer EXCEPT ![r] = @ \cup {i}]
     /\ pending' = [pending EXCEPT ![r] = @ \ {i}]
     /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted, contribution,
-                   window_loss, window_local, windows, inbox, delivered, ledger>>
+                   window_loss, window_local, windows, inbox, delivered, ledger,
+                   step_batches, step_counts>>
 
 \* Rank r's source is found dry.
 Exhaust(r) ==
@@ -301,7 +314,8 @@ Exhaust(r) ==
     /\ pending[r] = {}
     /\ exhausted' = [exhausted EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<phase, buffer, ready, steps, pads, round, emitted, contribution,
-                   window_loss, window_local, windows, pending, inbox, delivered, ledger>>
+                   window_loss, window_local, windows, pending, inbox, delivered, ledger,
+                   step_batches, step_counts>>
 
 \* Run the former on the window: a full window, or the tail of a dry source.
 Form(r) ==
@@ -310,7 +324,8 @@ Form(r) ==
           /\ ready' = [ready EXCEPT ![r] = @ \o res.batches]
           /\ buffer' = [buffer EXCEPT ![r] = res.leftovers]
     /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
-                   window_loss, window_local, windows, pending, inbox, delivered, ledger>>
+                   window_loss, window_local, windows, pending, inbox, delivered, ledger,
+                   step_batches, step_counts>>
 
 \* Enter the round's all-gather with this rank's vector.
 Contribute(r) ==
@@ -318,14 +333,15 @@ Contribute(r) ==
     /\ contribution' = [contribution EXCEPT ![r] = Offer(r)]
     /\ phase' = [phase EXCEPT ![r] = "waiting"]
     /\ UNCHANGED <<exhausted, buffer, ready, steps, pads, round, emitted,
-                   window_loss, window_local, windows, pending, inbox, delivered, ledger>>
+                   window_loss, window_local, windows, pending, inbox, delivered, ledger,
+                   step_batches, step_counts>>
 
 \* The collective completes once every rank has contributed and consumed the
 \* previous round; every rank gets the same gathered vectors.
 AllGather ==
     /\ \A r \in Ranks : phase[r] = "waiting" /\ inbox[r] = NoValue
     /\ inbox' = [r \in Ranks |-> contribution]
-    /\ UNCHANGED <<rankVars, pending, delivered, ledger>>
+    /\ UNCHANGED <<rankVars, pending, delivered, ledger, step_batches, step_counts>>
 
 \* (`\E x \in {e}` binds e once: TLC does not cache LET values when it
 \* evaluates ENABLED for the fairness condition, and Decide is not cheap.)
@@ -347,6 +363,8 @@ Receive(r) ==
           /\ inbox' = [inbox EXCEPT ![r] = NoValue]
           /\ delivered' = [i \in Ids |->
                 delivered[i] + Cardinality({t \in 1 .. real : i \in ready[r][t]})]
+          /\ step_batches' = [step_batches EXCEPT ![r] = @ \o RunBatches(r, d.steps, real)]
+          /\ step_counts' = [step_counts EXCEPT ![r] = @ \o StepCounts(d)]
           /\ \E w \in {EmitWindows(r, d, real)} :
                 /\ window_loss' = [window_loss EXCEPT ![r] = w.loss]
                 /\ window_local' = [window_local EXCEPT ![r] = w.local]
@@ -423,6 +441,8 @@ TypeOK ==
     /\ inbox \in [Ranks -> [Ranks -> ContributionType \cup {NoValue}] \cup {NoValue}]
     /\ delivered \in [Ids -> Nat]
     /\ ledger \subseteq Ids
+    /\ step_batches \in [Ranks -> Seq(SUBSET Ids)]
+    /\ step_counts \in [Ranks -> Seq(Nat \X Nat \X Nat)]
     /\ \A r \in Ranks : Cardinality(buffer[r]) <= K /\ pads[r] <= steps[r]
 
 \* Ranks that completed the same number of rounds ran the same number of steps.
@@ -462,18 +482,33 @@ IdentityCoverage ==
         /\ ledger = {}
         /\ AllDone => \A i \in Ids : delivered[i] = 1
 
-QuotaClosure ==
+\* A closed quota epoch emitted or carried every id once, and ended exactly
+\* at its cut: at the step at which the global sample count reached the quota
+\* (the count before that step was below it), or when the first rank ran dry.
+QuotaClosed ==
     (Mode = "quota" /\ AllDone) =>
         /\ \A i \in Ids : delivered[i] + (IF i \in ledger THEN 1 ELSE 0) = 1
         /\ \/ Quota > 0 /\ Cardinality({i \in Ids : delivered[i] = 1}) >= Quota
            \/ \E r \in Ranks : \A i \in Shard[r] : delivered[i] >= 1
+
+QuotaCutExact ==
+    (Mode = "quota" /\ AllDone /\ Quota > 0 /\ step_counts[0] # <<>>) =>
+        LET n == Len(step_counts[0])
+        IN Cardinality({i \in Ids : delivered[i] = 1}) - step_counts[0][n][1] < Quota
+
+QuotaClosure == QuotaClosed /\ QuotaCutExact
 
 \* A batch over budget is a single sample that does not fit alone (`solo`).
 BudgetSafety ==
     \A r \in Ranks : \A t \in DOMAIN ready[r] :
         Fits(ready[r][t]) \/ Cardinality(ready[r][t]) = 1
 
-StepsBound == MaxOf({Cardinality(Shard[r]) : r \in Ranks})
+\* Join: every step some rank that never padded runs a real batch.  Quota: no
+\* rank ever pads, so every rank runs a real batch at every step
+\* (proofs/bounded_termination.md).
+StepsBound ==
+    IF Mode = "quota" THEN MinOf({Cardinality(Shard[r]) : r \in Ranks})
+    ELSE MaxOf({Cardinality(Shard[r]) : r \in Ranks})
 RoundsBound == StepsBound + 1
 
 BoundedTermination ==
@@ -485,10 +520,18 @@ TerminationAgreement ==
         (phase[r] = "done" /\ phase[s] # "done") =>
             inbox[s] # NoValue /\ round[s] = round[r] - 1
 
+\* The global counts of step t, summed over the batches the ranks ran at it.
+StepTotals(t) ==
+    <<SumOver(Ranks, [r \in Ranks |-> Cardinality(step_batches[r][t])]),
+      SumOver(Ranks, [r \in Ranks |-> Tokens(step_batches[r][t])]),
+      SumOver(Ranks, [r \in Ranks |-> LossTokens(step_batches[r][t])])>>
+
 \* While a vector is in flight it describes the head of the rank's queue
 \* (samples, cost tokens, loss tokens), and every rank got what each rank
-\* sent; so the global counts of a step are the sums of the local ones.
-ExactLossScaling ==
+\* sent; so the global counts of a step are the sums of the local ones: every
+\* rank decided the same counts for each step, they add up over the ranks'
+\* batches of that step, and a rank's emitted count is their sum.
+OfferExact ==
     \A r \in Ranks :
         /\ contribution[r] # NoValue =>
             LET c == contribution[r]
@@ -498,6 +541,18 @@ ExactLossScaling ==
                     /\ c.tokens[t] = Tokens(ready[r][t])
                     /\ c.loss_tokens[t] = LossTokens(ready[r][t])
         /\ inbox[r] # NoValue => inbox[r][r] = contribution[r]
+
+StepCountsExact ==
+    /\ \A r \in Ranks :
+        /\ Len(step_counts[r]) = Len(step_batches[r])
+        /\ SumOver(DOMAIN step_counts[r], [t \in DOMAIN step_counts[r] |-> step_counts[r][t][1]])
+            = emitted[r]
+    /\ \A r, s \in Ranks : \A t \in DOMAIN step_counts[r] \cap DOMAIN step_counts[s] :
+        step_counts[r][t] = step_counts[s][t]
+    /\ \A t \in 1 .. MinOf({Len(step_batches[r]) : r \in Ranks}) :
+        step_counts[0][t] = StepTotals(t)
+
+ExactLossScaling == OfferExact /\ StepCountsExact
 
 \* Ranks that completed the same rounds closed the same optimizer windows at
 \* the same steps with the same global loss tokens, and hold the same open
@@ -522,16 +577,18 @@ WindowAlignment ==
             SumOver(Ranks, [r \in Ranks |-> windows[r][i].local]) = windows[0][i].loss
         /\ SumOver(Ranks, window_local) = window_loss[0]
 
-\* Spec-only: a rank pads only once it has nothing left (source dry, window
-\* and queue empty), and never in quota mode.  So each rank's steps are its
-\* batches, then pads; with DeterministicArrival, what every rank emits at
-\* every step is independent of the schedule.
+\* A rank pads only once it has nothing left (source dry, window and queue
+\* empty), and never in quota mode; its steps are its batches, then pads.
+\* With DeterministicArrival, what every rank emits at every step is then
+\* independent of the schedule.
 PadsOnlyAtEnd ==
     \A r \in Ranks :
         /\ pads[r] > 0 => exhausted[r] /\ buffer[r] = {} /\ ready[r] = <<>>
         /\ Mode = "quota" => pads[r] = 0
+        /\ \A t \in DOMAIN step_batches[r] : step_batches[r][t] = {} =>
+            \A u \in t .. Len(step_batches[r]) : step_batches[r][u] = {}
 
-\* Spec-only: in deterministic mode a rank has consumed a prefix of its shard.
+\* In deterministic mode a rank has consumed a prefix of its shard.
 DeterministicArrival ==
     Deterministic =>
         \A r \in Ranks : pending[r] # {} =>

@@ -16,7 +16,8 @@ CONSTANTS W, Shard, SampleLen, SampleLoss, SamplePatches, Budget, MaxSamples, Ma
           Bug
 
 VARIABLES phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution,
-          window_loss, window_local, windows, pending, inbox, delivered, ledger
+          window_loss, window_local, windows, pending, inbox, delivered, ledger,
+          step_batches, step_counts
 
 D == INSTANCE DGAP
 \* The decision of quota mode, applied in join mode by join-closes-early.
@@ -59,7 +60,8 @@ Observe(r, i) ==
             /\ pending' = [pending EXCEPT ![r] = @ \ {i}]
             /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted,
                            contribution, window_loss, window_local, windows,
-                           inbox, delivered, ledger>>
+                           inbox, delivered, ledger,
+                           step_batches, step_counts>>
       [] Bug = "any-order" ->
             /\ D!NeedsSample(r)
             /\ i \in pending[r]
@@ -67,7 +69,8 @@ Observe(r, i) ==
             /\ pending' = [pending EXCEPT ![r] = @ \ {i}]
             /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted,
                            contribution, window_loss, window_local, windows,
-                           inbox, delivered, ledger>>
+                           inbox, delivered, ledger,
+                           step_batches, step_counts>>
       [] OTHER -> D!Observe(r, i)
 
 Exhaust(r) == D!Exhaust(r)
@@ -86,7 +89,8 @@ Form(r) ==
                         /\ ready' = [ready EXCEPT ![r] = Append(@, buffer[r])]
                         /\ buffer' = [buffer EXCEPT ![r] = {}]
          /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
-                        window_loss, window_local, windows, pending, inbox, delivered, ledger>>
+                        window_loss, window_local, windows, pending, inbox, delivered, ledger,
+                           step_batches, step_counts>>
     ELSE D!Form(r)
 
 Contribute(r) ==
@@ -101,7 +105,8 @@ Contribute(r) ==
                /\ phase' = [phase EXCEPT ![r] =
                     IF Bug = "silent-stop" /\ c.final /\ c.offered = 0 THEN "done" ELSE "waiting"]
          /\ UNCHANGED <<exhausted, buffer, ready, steps, pads, round, emitted,
-                        window_loss, window_local, windows, pending, inbox, delivered, ledger>>
+                        window_loss, window_local, windows, pending, inbox, delivered, ledger,
+                           step_batches, step_counts>>
     ELSE D!Contribute(r)
 
 AllGather == D!AllGather
@@ -159,6 +164,8 @@ Receive(r) ==
           /\ inbox' = IF Bug = "stale-inbox" THEN inbox ELSE [inbox EXCEPT ![r] = NoValue]
           /\ delivered' = [i \in Ids |->
                 delivered[i] + Cardinality({t \in 1 .. real : i \in ready[r][t]}) + repeat(i)]
+          /\ step_batches' = [step_batches EXCEPT ![r] = @ \o D!RunBatches(r, run, real)]
+          /\ step_counts' = [step_counts EXCEPT ![r] = @ \o [t \in 1 .. run |-> D!StepCounts(d)[t]]]
           \* (no-pads and pad-repeats-batch fold every decided step, pads too,
           \* as their Python twins do before they drop or rewrite the pads)
           /\ \E w \in {Windows(r, d, real)} :

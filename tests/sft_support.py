@@ -19,6 +19,8 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+from odb_core.torch import collate
+
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 VOCAB = 128
 FIRST_WORD = 4
@@ -72,33 +74,16 @@ def loss_tokens(sample: Mapping[str, torch.Tensor]) -> int:
 
 def pad_collate(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad: input_ids with PAD, labels with -100, and an attention mask."""
-    longest = max(len(s["input_ids"]) for s in samples)
-    ids = torch.full((len(samples), longest), PAD)
-    labels = torch.full((len(samples), longest), IGNORE)
-    mask = torch.zeros((len(samples), longest), dtype=torch.long)
-    for row, s in enumerate(samples):
-        n = len(s["input_ids"])
-        ids[row, :n] = s["input_ids"]
-        labels[row, :n] = s["labels"]
-        mask[row, :n] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    return collate.pad_collate(samples, pad_token_id=PAD, ignore_index=IGNORE)
 
 
 def pack_collate(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One row: the samples end to end, position_ids restarting at 0 for each, and
-    each sample's first label masked so no token predicts the next sample's first.
-    With no attention mask and `use_cache=False`, transformers reads the position
-    ids as packed sequences and attends within each sample only."""
-    labels = []
-    for s in samples:
-        lab = s["labels"].clone()
-        lab[0] = IGNORE
-        labels.append(lab)
-    return {
-        "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
-        "position_ids": torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None],
-        "labels": torch.cat(labels)[None],
-    }
+    """The library's packed row, without its `use_cache` key (tiny_llama's config
+    already has use_cache=False; these tests move batches as dicts of tensors)."""
+    out: dict[str, torch.Tensor] = collate.pack_collate(
+        samples, ignore_index=IGNORE, use_cache_key=False
+    )
+    return out
 
 
 COLLATES = {"padded": pad_collate, "packed": pack_collate}

@@ -9,6 +9,7 @@ from odb_core.cost import Budget, PaddedTokens
 from odb_core.formers import FormerKind
 from odb_core.verify.bugs import BugVariant
 from odb_core.verify.checker import PROPERTIES, check
+from odb_core.verify.fairness import check_variant
 from odb_core.verify.model import ModelConfig, round_robin_shards
 
 
@@ -99,7 +100,7 @@ def test_bounds_are_reached() -> None:
 
 @pytest.mark.parametrize("bug", list(BugVariant), ids=lambda b: b.value)
 def test_every_broken_variant_is_caught(bug: BugVariant) -> None:
-    r = check(bug.model(), properties=[bug.violates], max_states=300_000)
+    r = check_variant(bug)
     assert bug.violates in r.violated()
     v = next(v for v in r.violations if v.property == bug.violates)
     assert v.trace, "a counterexample comes with a trace of actions"
@@ -120,3 +121,15 @@ def test_unknown_property_is_rejected() -> None:
     with pytest.raises(ValueError, match="NoSuchThing"):
         check(model(1, 2, 1), properties=["NoSuchThing"])
     assert "DeadlockFreedom" in PROPERTIES
+
+
+def test_quota_mode_has_the_tighter_bound_and_reaches_it() -> None:
+    """Quota mode never pads, so steps <= min_r N_r (and rounds <= min_r N_r + 1);
+    BoundedTermination checks that bound there, and a model reaches it."""
+    r = check(model(2, 5, 1, Mode.QUOTA, costs=[4] * 5))
+    assert r.ok
+    assert (r.steps_bound, r.rounds_bound) == (2, 3)
+    assert r.max_steps_seen == r.steps_bound
+    assert r.max_rounds_seen <= r.rounds_bound
+    join = check(model(2, 5, 1, costs=[4] * 5))
+    assert join.steps_bound == 3 > r.max_steps_seen

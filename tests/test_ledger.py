@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from odb_core.errors import ConfigError
 from odb_core.ledger import ledger_ids, plan_epoch, rank_order, share, validate_ledgers
-from odb_core.resume import EpochProgress, merge, partition
+from odb_core.resume import EpochProgress, merge, partition, seal
 
 
 @st.composite
@@ -125,15 +125,16 @@ def test_progress_keeps_the_carry_as_plain_data() -> None:
     d = p.to_dict()
     assert d["carry"] == [[4, 2], [9]]
     assert EpochProgress.from_dict(d) == p
-    legacy = {k: v for k, v in d.items() if k != "carry"}
-    assert EpochProgress.from_dict(legacy).carry == ()
+    # A state without its carry would silently drop the carried ids: refused.
+    with pytest.raises(ConfigError, match="'carry'"):
+        EpochProgress.from_dict({k: v for k, v in d.items() if k != "carry"})
     with pytest.raises(ConfigError, match="'x'"):
-        EpochProgress.from_dict({**d, "carry": [["x"]]})
+        EpochProgress.from_dict(seal({**d, "carry": [["x"]]}))
 
 
 def test_merge_needs_the_same_carry_on_every_rank() -> None:
-    a = _progress(((1,), (2,)), world_size=2, rank=0)
-    b = _progress(((1,), (2,)), world_size=2, rank=1, done=frozenset({7}))
+    a = _progress(((1,), (2,)), world_size=2, rank=0, done=frozenset({5, 6}))
+    b = _progress(((1,), (2,)), world_size=2, rank=1, done=frozenset({7, 8}))
     assert merge([a, b]).carry == ((1,), (2,))
     with pytest.raises(ConfigError, match="carry"):
-        merge([a, _progress(((1,), ()), world_size=2, rank=1)])
+        merge([a, _progress(((1,), ()), world_size=2, rank=1, done=frozenset({7, 8}))])

@@ -22,9 +22,9 @@ torch = pytest.importorskip("torch")
 import torch.multiprocessing as mp  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
-import odb_core.verify.trace as odb_trace  # noqa: E402
 from odb_core import ODBDataLoader, StepMeta, step_meta  # noqa: E402
 from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
+from odb_core.verify.tlc import validate_trace_tlc  # noqa: E402
 from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(180)]
@@ -387,7 +387,7 @@ def test_real_run_trace_validates_under_tlc(
     traced_run: tuple[list[dict[str, Any]], Path],
 ) -> None:
     _, trace_dir = traced_run
-    report = odb_trace.validate_trace_tlc(ProtocolTrace.merge(sorted(trace_dir.glob("*.json"))))
+    report = validate_trace_tlc(ProtocolTrace.merge(sorted(trace_dir.glob("*.json"))))
     assert report.ok, report.reason
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odb_core.errors import ConfigError
-from odb_core.resume import EpochProgress, merge, partition
+from odb_core.resume import EpochProgress, merge, partition, seal
 
 pytestmark = pytest.mark.torch
 
@@ -22,9 +22,13 @@ FP = {"dataset": "x", "protocol.budget_tokens": 64}
 
 
 def progress(
-    world: int, rank: int, done: set[int], base: frozenset[int] = frozenset()
+    world: int,
+    rank: int,
+    done: set[int],
+    base: frozenset[int] = frozenset(),
+    emitted: int = 9,
 ) -> EpochProgress:
-    return EpochProgress(FP, 1, 5, 9, False, base, world, rank, frozenset(done))
+    return EpochProgress(FP, 1, 5, emitted, False, base, world, rank, frozenset(done))
 
 
 @given(st.integers(0, 60), st.integers(1, 5))
@@ -49,7 +53,8 @@ def test_two_resumes_at_other_world_sizes_cover_exactly_once(
     # Incarnation 1 at w1: each rank emitted a prefix of its shard.
     shards1 = [partition(order, w1, r) for r in range(w1)]
     done1 = [set(shards1[r][: cut1[r]]) for r in range(w1)]
-    g = merge(progress(w1, r, done1[r]) for r in range(w1))
+    n1 = sum(map(len, done1))  # the global count emitted, which merge checks
+    g = merge(progress(w1, r, done1[r], emitted=n1) for r in range(w1))
     assert g.is_global
     # Incarnation 2 at w2 from the merged state; again stop somewhere.
     shards2 = [g.shard(order, w2, r) for r in range(w2)]
@@ -63,23 +68,25 @@ def test_two_resumes_at_other_world_sizes_cover_exactly_once(
 
 
 def test_round_trip_is_plain_data() -> None:
-    p = progress(2, 1, {3, 1, 2}, frozenset({9}))
+    p = replace(progress(2, 1, {3, 1, 2}, frozenset({9})), start_emitted=1)
     d = p.to_dict()
     assert d["done"] == [1, 2, 3] and d["base_done"] == [9]
     assert EpochProgress.from_dict(d) == p
-    q = replace(p, window=4, start_step=2, start_emitted=7, start_window=1)
+    q = replace(p, window=4, start_step=2, start_emitted=5, start_window=1)
     d = q.to_dict()
-    assert (d["window"], d["start_step"], d["start_emitted"], d["start_window"]) == (4, 2, 7, 1)
+    assert (d["window"], d["start_step"], d["start_emitted"], d["start_window"]) == (4, 2, 5, 1)
     assert EpochProgress.from_dict(d) == q
 
 
 def test_merged_state_starts_a_new_protocol_run_at_the_saved_step() -> None:
     parts = [
-        replace(progress(2, r, {r}), window=3, start_step=1, start_emitted=2, start_window=1)
+        replace(
+            progress(2, r, {r}, emitted=2), window=3, start_step=1, start_emitted=2, start_window=1
+        )
         for r in range(2)
     ]
     g = merge(parts)
-    assert (g.start_step, g.start_emitted, g.start_window, g.window) == (5, 9, 3, 3)
+    assert (g.start_step, g.start_emitted, g.start_window, g.window) == (5, 2, 3, 3)
     with pytest.raises(ConfigError, match=r"window=4.*same step"):
         merge([parts[0], replace(parts[1], window=4)])
 
@@ -87,8 +94,11 @@ def test_merged_state_starts_a_new_protocol_run_at_the_saved_step() -> None:
 def test_an_older_state_version_is_refused_naming_it() -> None:
     d = progress(2, 0, {1}).to_dict()
     old = {k: v for k, v in d.items() if "window" not in k and not k.startswith("start_")}
-    with pytest.raises(ConfigError, match=r"version 1, expected 2: it was saved by an older"):
-        EpochProgress.from_dict({**old, "version": 1})
+    for version in (1, 2):
+        with pytest.raises(
+            ConfigError, match=rf"version {version}, expected 3: it was saved by an older"
+        ):
+            EpochProgress.from_dict({**old, "version": version})
 
 
 def test_a_local_state_refuses_another_rank_or_world() -> None:
@@ -130,8 +140,7 @@ def test_merge_rejects_states_from_different_steps() -> None:
     ],
 )
 def test_from_dict_names_the_bad_field(bad: dict[str, object], needle: str) -> None:
-    d = progress(2, 0, {1}).to_dict()
-    d.update(bad)
+    d = seal({**progress(2, 0, {1}).to_dict(), **bad})  # past the checksum, to the field
     with pytest.raises(ConfigError, match=needle):
         EpochProgress.from_dict(d)
 

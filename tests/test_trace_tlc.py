@@ -227,3 +227,93 @@ def test_python_validator_rejects_an_unknown_emitted_id() -> None:
     receive["steps"][0] = [*receive["steps"][0], 99]
     report = validate_trace(trace)
     assert not report.ok and "99" in report.reason
+
+
+# ---- fast: the Python replay alone, no TLC --------------------------------------------
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_corrupted_traces_are_rejected_by_the_python_replay(corruption: str) -> None:
+    name = "MCjoin_w3_n6_k1_t3" if corruption in ("loss-tokens", "window-boundary") else None
+    trace = recorded(name or "MCjoin_w3_n6_k1", 5)
+    if corruption == "pad-as-real":
+        trace = next(
+            t
+            for t in (recorded("MCbounds_w2_n5_k1", s) for s in range(20))
+            if any(None in e.get("steps", ()) for rt in t.ranks for e in rt.events)
+        )
+    assert validate_trace(trace).ok
+    bad = copy.deepcopy(trace)
+    CORRUPTIONS[corruption](bad)
+    report = validate_trace(bad)
+    assert not report.ok and report.reason
+    if corruption in ("vector", "loss-tokens"):
+        assert "vector" in report.reason
+
+
+def _with_plan_dropping_one(name: str, seed: int) -> tuple[ProtocolTrace, int]:
+    """A run whose sampler silently dropped the last sample: the run itself is a
+    behaviour of the model (on the samples it saw), but its plan names the sample."""
+    full: ModelConfig = BY_NAME[name].model_config()
+    dropped = full.n_samples - 1
+    shards = tuple(tuple(s for s in shard if s.id != dropped) for shard in full.shards)
+    trace = record_random_trace(replace(full, shards=shards), seed)
+    for rt, shard in zip(trace.ranks, full.shards, strict=True):
+        rt.plan = [s.id for s in shard]
+    return trace, dropped
+
+
+def test_traces_carry_the_plan_the_global_counts_and_version_3() -> None:
+    trace = recorded("MCjoin_w3_n6_k1", 1)
+    receives = [e for rt in trace.ranks for e in rt.events if e["action"] == "Receive"]
+    assert all(len(e["global"]) == len(e["steps"]) for e in receives)
+    d = json.loads(json.dumps(trace.to_json()))
+    assert d["version"] == 3
+    with pytest.raises(ConfigError, match=r"version 2, expected 3: version 2 traces carry no"):
+        ProtocolTrace.from_json({**d, "version": 2})
+    shards = BY_NAME["MCjoin_w3_n6_k1"].model_config().shards
+    for rt, shard in zip(trace.ranks, shards, strict=True):
+        rt.plan = [s.id for s in shard]
+    again = ProtocolTrace.from_json(json.loads(json.dumps(trace.to_json())))
+    assert [rt.plan for rt in again.ranks] == [rt.plan for rt in trace.ranks]
+    assert validate_trace(again).ok
+
+
+def test_a_dropped_sample_is_rejected_by_the_python_replay() -> None:
+    trace, dropped = _with_plan_dropping_one("MCjoin_w3_n6_k1", 0)
+    report = validate_trace(trace)
+    assert not report.ok and f"never observed ids [{dropped}]" in report.reason
+    for rt in trace.ranks:
+        rt.plan = None
+    assert validate_trace(trace).ok, "without its plan the same run looks complete"
+
+
+def test_wrong_global_counts_are_rejected_by_the_python_replay() -> None:
+    trace = recorded("MCjoin_w3_n6_k1_t3", 2)
+    receive = next(e for e in _events(trace, 0, "Receive") if e["steps"])
+    receive["global"][0][2] += 1
+    report = validate_trace(trace)
+    assert not report.ok and "global counts" in report.reason
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize(("name", "seed"), [("MCjoin_w3_n6_k1", 0), ("MCjoin_w2_n6_k2_det", 1)])
+def test_a_dropped_sample_is_rejected_by_tlc(name: str, seed: int) -> None:
+    require_tlc()
+    trace, _ = _with_plan_dropping_one(name, seed)
+    report = validate_trace_tlc(trace)
+    assert not report.ok and "not a step of DGAP" in report.reason
+    for rt in trace.ranks:
+        rt.plan = None
+    assert validate_trace_tlc(trace).ok
+
+
+@pytest.mark.tlc
+def test_wrong_global_counts_are_rejected_by_tlc() -> None:
+    require_tlc()
+    trace = recorded("MCjoin_w3_n6_k1_t3", 2)
+    assert validate_trace_tlc(trace).ok
+    receive = next(e for e in _events(trace, 0, "Receive") if e["steps"])
+    receive["global"][0][0] += 1
+    report = validate_trace_tlc(trace)
+    assert not report.ok and "not a step of DGAP" in report.reason

@@ -36,7 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--ranks", type=positive_int, default=2, help="gloo ranks (default 2)")
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
-    p.add_argument("--samples", type=positive_int, default=4000, help="samples per epoch")
+    p.add_argument(
+        "--samples",
+        type=positive_int,
+        default=None,
+        help="samples per epoch (4000; 400 with --model)",
+    )
     p.add_argument("--repeats", type=positive_int, default=3, help="timed epochs per loader")
     p.add_argument(
         "--work-us",
@@ -51,12 +56,86 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="fork",
         help="multiprocessing context of the DataLoader workers",
     )
-    p.add_argument("--timeout", type=positive_int, default=600, help="give up after (seconds)")
+    p.add_argument(
+        "--timeout",
+        type=positive_int,
+        default=None,
+        help="give up after (seconds; 600, 3600 with --model)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    m = p.add_argument_group(
+        "real-model training (--model)",
+        "train a LlamaForCausalLM built from a config (no download) with DDP, one epoch per "
+        "run: standard, gmt, odb-padded, odb-packed and odb-ref (when installed), interleaved",
+    )
+    m.add_argument("--model", default=None, help="llama-tiny, llama-small or llama-100m")
+    m.add_argument(
+        "--max-len", type=positive_int, default=1024, help="longest sample in tokens (default 1024)"
+    )
+    m.add_argument(
+        "--budget", type=positive_int, default=4096, help="peak tokens per step and rank (4096)"
+    )
+    m.add_argument("--eval-samples", type=int, default=64, help="held-out samples (64)")
+    m.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, fixed (1e-3)")
+    m.add_argument("--seed", type=int, default=0, help="data and init seed")
+    m.add_argument(
+        "--oversize",
+        choices=["error", "solo", "truncate"],
+        default="error",
+        help="odb-core's policy for a sample over the budget",
+    )
+    m.add_argument(
+        "--buffer-size", type=positive_int, default=None, help="odb-core window (default: its own)"
+    )
+    m.add_argument(
+        "--strategies", default=",".join(_STRATEGIES), help="comma-separated subset to run"
+    )
+    m.add_argument("--plot", default=None, metavar="FILE", help="throughput bars + timeline (PNG)")
     p.set_defaults(run=run)
 
 
+_STRATEGIES = ("standard", "gmt", "odb-padded", "odb-packed", "odb-ref")
+
+
+def run_model(args: argparse.Namespace) -> int:
+    from odb_core.torch import model_bench
+
+    if args.workers < 0:
+        raise ValueError(f"--workers={args.workers!r} must be >= 0")
+    requested = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    params = {
+        "model": args.model,
+        "ranks": args.ranks,
+        "workers": args.workers,
+        "samples": args.samples or 400,
+        "repeats": args.repeats,
+        "max_len": args.max_len,
+        "budget": args.budget,
+        "eval_samples": args.eval_samples,
+        "lr": args.lr,
+        "seed": args.seed,
+        "oversize": args.oversize,
+        "buffer_size": args.buffer_size,
+        "strategies": requested,
+        "requested": requested,
+        "timeout": args.timeout or 3600,
+    }
+    result = model_bench.run_bench(params)  # progress lines go to stderr
+    if args.plot:
+        model_bench.plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for line in model_bench.iter_table(result):
+            print(line)
+    return 0 if result["ok"] else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return run_model(args)
+    args.samples = args.samples or 4000
+    args.timeout = args.timeout or 600
     if args.workers < 0:
         raise ValueError(f"--workers={args.workers!r} must be >= 0")
     if args.work_us < 0:

@@ -25,6 +25,7 @@ from odb_core.formers import FormerKind
 from odb_core.verify import tlc
 from odb_core.verify.bugs import BugVariant
 from odb_core.verify.checker import PROPERTIES, CheckReport, check
+from odb_core.verify.fairness import check_variant
 from odb_core.verify.model import ModelConfig, round_robin_shards
 
 
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return run_adhoc(args, engine) if args.adhoc else run_manifest(args, engine)
     if args.bug is not None:
         bug: BugVariant = args.bug
-        report = check(bug.model(), max_states=args.max_states, properties=[bug.violates])
+        report = check_variant(bug, max_states=args.max_states)
         out = report.to_json()
         out["bug"] = {
             "variant": bug.value,

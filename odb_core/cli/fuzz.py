@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     machine = bug.machine if bug is not None else RankMachine
     if args.search_examples is not None and args.search_examples < 0:
         raise ValueError(f"--search-examples {args.search_examples!r} must be >= 0")
+    if bug is not None and bug.passes > 1:
+        return _fuzz_passes(bug, args)
     if args.replay is not None:
         o = replay(args.replay, args.ranks, machine)
         summary = o.summary()
@@ -96,6 +98,30 @@ def run(args: argparse.Namespace) -> int:
     if bug is not None:
         return 0 if not report.ok else 1
     return 0 if report.ok else 1
+
+
+def _fuzz_passes(bug: BugVariant, args: argparse.Namespace) -> int:
+    """A cross-epoch variant shows only over passes: 8 passes of random quota
+    settings (odb_core.verify.fairness.fuzz_passes)."""
+    from odb_core.verify.fairness import fuzz_passes
+
+    failures, carrying, held = fuzz_passes(args.schedules, args.seed, machine=bug.machine)
+    caught = bool(failures)
+    out = {
+        "ok": not failures,
+        "configs": args.schedules,
+        "passes_with_carry": carrying,
+        "passes_meeting_hypothesis": held,
+        "violations": len(failures),
+        "first": failures[:3],
+        "bug": {"variant": bug.value, "expected": bug.violates, "caught": caught},
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(json.dumps(out, indent=2))
+        print(f"  bug variant {bug.value}: {'CAUGHT' if caught else 'MISSED'}")
+    return 0 if caught else 1
 
 
 def _bar(args: argparse.Namespace) -> Any:

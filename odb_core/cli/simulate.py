@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from odb_core.cli.options import positive_float, positive_int
-from odb_core.config import OversizePolicy
+from odb_core.config import OversizePolicy, default_buffer_size
 from odb_core.errors import ConfigError
 
 _WORKLOADS = ("ultrachat", "llava", "sharegpt4o", "mmmix")
@@ -63,7 +63,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--cost", choices=["packed", "padded", "attention"], default="packed")
     p.add_argument("--attention-alpha", type=positive_float, default=1.0 / 4096)
-    p.add_argument("--buffer", type=positive_int, default=64, help="odb window K per rank")
+    p.add_argument(
+        "--buffer",
+        type=positive_int,
+        default=None,
+        help="odb window K per rank (default: the loader's, 256 with --cost padded, else 64)",
+    )
     p.add_argument("--max-steps-per-round", type=positive_int, default=8)
     p.add_argument("--quota", type=positive_int, default=None, help="odb-quota global quota")
     p.add_argument(
@@ -232,7 +237,7 @@ def build_configs(args: argparse.Namespace) -> list[Any]:
                     batch_size=args.batch_size,
                     cost=args.cost,
                     attention_alpha=args.attention_alpha,
-                    buffer_size=args.buffer,
+                    buffer_size=args.buffer or default_buffer_size(args.cost),
                     max_steps_per_round=args.max_steps_per_round,
                     quota=args.quota,
                     oversize=OversizePolicy(args.oversize),

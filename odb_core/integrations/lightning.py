@@ -59,7 +59,7 @@ from torch.utils.data import DataLoader
 from odb_core.errors import ConfigError, ODBError, ODBPeerError
 from odb_core.integrations.versions import extra_range, in_range
 from odb_core.protocol import StepInfo
-from odb_core.resume import STATE_VERSION
+from odb_core.resume import STATE_VERSION, seal
 from odb_core.torch import ODBDataLoader, StepMeta, step_meta
 
 __all__ = [
@@ -98,6 +98,7 @@ _STATE_KEYS = frozenset(
         "start_step",
         "start_emitted",
         "start_window",
+        "checksum",
     ]
 )
 _LOADER_ARGS = frozenset(inspect.signature(ODBDataLoader.__init__).parameters) - {"self"}
@@ -455,15 +456,17 @@ class ODBDataModule(pl.LightningDataModule):
         last, prev, start = self._last, self._prev, self._start
         assert last is not None and start is not None
         ids = set(last.sample_ids)
-        return {
-            **after,
-            "step": last.step,
-            "emitted": after["emitted"] - last.global_samples,
-            "done": [i for i in after["done"] if i not in ids],
-            "closed": False,
-            "window": start["window"] if prev is None else prev.window + 1,
-            "carry": start["carry"],
-        }
+        return seal(
+            {
+                **after,
+                "step": last.step,
+                "emitted": after["emitted"] - last.global_samples,
+                "done": [i for i in after["done"] if i not in ids],
+                "closed": False,
+                "window": start["window"] if prev is None else prev.window + 1,
+                "carry": start["carry"],
+            }
+        )
 
     def _gather(self, local: Any) -> list[Any]:
         if self._group is None:

@@ -6,6 +6,12 @@ Importing this subpackage imports torch; `import odb_core` alone does not.
 
 from __future__ import annotations
 
+from odb_core.torch.collate import (
+    check_packed_model,
+    pack_collate,
+    pad_collate,
+    use_packed_attention,
+)
 from odb_core.torch.loader import ODBDataLoader
 from odb_core.torch.loss import scale_loss
 from odb_core.torch.meta import (
@@ -25,9 +31,13 @@ __all__ = [
     "SampleLoadError",
     "StepMeta",
     "causal_lm_loss",
+    "check_packed_model",
     "merge_states",
+    "pack_collate",
+    "pad_collate",
     "pop_step_meta",
     "scale_loss",
     "scaled_loss",
     "step_meta",
+    "use_packed_attention",
 ]

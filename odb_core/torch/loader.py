@@ -19,7 +19,10 @@ emit (its ledger, gathered from every rank in one collective at the close) are
 the first samples of the next pass, dealt round-robin over the ranks, and are
 removed from that pass's normal split, so no id appears twice in a pass and none
 is dropped. `loader.ledger` / `loader.carried_count` report what the last closed
-epoch carried, `loader.carried_in` what the current pass started with; a log
+epoch carried (`loader.ledger_ages`: for how many passes in a row each id has
+been carried), `loader.carried_in` what the current pass started with; the core
+forms those ahead of fresh samples, so each is emitted in that pass (see
+proofs/cross_epoch_fairness.md for the hypotheses); a log
 line on the `odb_core` logger says it too. The pending carry is part of
 `state_dict()`. A pass that does not close (the loop broke out early) leaves the
 pending carry as it was.
@@ -32,6 +35,7 @@ import functools
 import json
 import logging
 import math
+import os
 import threading
 import warnings
 import zlib
@@ -45,14 +49,27 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data import default_collate as _default_collate
 
-from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
+from odb_core.config import (
+    LossNormalization,
+    Mode,
+    OversizePolicy,
+    ProtocolConfig,
+    default_buffer_size,
+)
 from odb_core.cost import Budget, CostModel
-from odb_core.errors import ConfigError, ODBError
+from odb_core.errors import ConfigError, ODBError, ResumeStateError
 from odb_core.estimate import StepsEstimate
 from odb_core.formers import FormerKind
-from odb_core.ledger import Ledgers, ledger_ids, rank_order, without
+from odb_core.ledger import Ledgers, ages, ledger_ids, rank_order, without
 from odb_core.protocol import RankMachine, StepInfo
-from odb_core.resume import EpochProgress, fingerprint_mismatch, merge, partition
+from odb_core.resume import (
+    EpochProgress,
+    ResumeClaim,
+    check_claims,
+    fingerprint_mismatch,
+    merge,
+    partition,
+)
 from odb_core.torch.length import EpochLength, shard_sizes
 from odb_core.torch.loss import scale_loss
 from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, TruncateFn, measure
@@ -70,15 +87,40 @@ from odb_core.torch.source import (
     LoadFailure,
     MapSource,
     SampleLoadError,
+    WorkerGuard,
     identity,
 )
-from odb_core.torch.state import fingerprint
-from odb_core.torch.transport import GlooTransport, LocalTransport, Transport
+from odb_core.torch.state import fingerprint, resume_target
+from odb_core.torch.transport import (
+    GlooTransport,
+    LocalTransport,
+    Transport,
+    announce_construction_error,
+    next_loader_seq,
+)
 from odb_core.verify.trace import TracingRankMachine, cost_model_from_dict
 
 __all__ = ["ODBDataLoader"]
 
 log = logging.getLogger("odb_core")
+
+_RESUME_TAG = -2  # marks the resume check's collective (order digests are >= 0)
+
+
+def _announce_failure(init: Callable[..., None]) -> Callable[..., None]:
+    """Under torch.distributed, a loader whose construction fails on one rank tells
+    the others, which wait for it before creating the gloo group (transport.py)."""
+
+    @functools.wraps(init)
+    def wrapped(self: ODBDataLoader, *args: Any, **kwargs: Any) -> None:
+        self._odb_seq = next_loader_seq()
+        try:
+            init(self, *args, **kwargs)
+        except Exception as exc:
+            announce_construction_error(self._odb_seq, exc)
+            raise
+
+    return wrapped
 
 
 class ODBDataLoader:
@@ -99,7 +141,8 @@ class ODBDataLoader:
     `len(sample["input_ids"])` plus `sample["visual_tokens"]` if present),
     `mode` ('join' | 'quota'), `quota`, `seed` (per-epoch shuffle, same on every
     rank), `peer_timeout` (seconds before a dead or hung peer raises
-    ODBPeerError), `buffer_size` (window per rank), `max_steps_per_round`,
+    ODBPeerError), `buffer_size` (window per rank; default 256 samples under the
+    padded cost model, 64 otherwise), `max_steps_per_round`,
     `former`, `oversize` ('error' | 'solo' | 'truncate'), `max_samples`,
     `max_patches`, `loss_normalization` ('tokens' | 'samples'), `deterministic`,
     `partition` (split the dataset across ranks; False when it already yields
@@ -117,6 +160,9 @@ class ODBDataLoader:
     (False: yield exactly collate_fn's output, without the `odb_step` key).
     """
 
+    _odb_seq = 0  # which loader of this process (set by _announce_failure)
+
+    @_announce_failure
     def __init__(
         self,
         dataset: Any,
@@ -129,7 +175,7 @@ class ODBDataLoader:
         quota: int | None = None,
         seed: int = 0,
         peer_timeout: float = 300.0,
-        buffer_size: int = 64,
+        buffer_size: int | None = None,
         max_steps_per_round: int = 8,
         former: FormerKind | str = FormerKind.SORT_WINDOW_GREEDY,
         oversize: OversizePolicy | str = OversizePolicy.ERROR,
@@ -241,7 +287,7 @@ class ODBDataLoader:
             world_size=self.world_size,
             budget=Budget(token_budget, max_samples, max_patches),
             cost_model=cost_model,
-            buffer_size=buffer_size,
+            buffer_size=default_buffer_size(cost_model) if buffer_size is None else buffer_size,
             mode=mode,  # type: ignore[arg-type]  # coerced and validated by ProtocolConfig
             former=former,  # type: ignore[arg-type]
             oversize=oversize,  # type: ignore[arg-type]
@@ -283,6 +329,7 @@ class ODBDataLoader:
         self._iterable = iterable
         self._pin = self._make_pin(pin_memory, pin_memory_device)
         self._index_sampler: IndexChunks | None = None
+        self._guard = WorkerGuard(worker_init_fn)
         if iterable:
             source: Any = IterSource(
                 dataset, self.rank, self.world_size, partition, samples_per_fetch
@@ -298,7 +345,7 @@ class ODBDataLoader:
             collate_fn=identity,
             pin_memory=False,
             timeout=timeout,
-            worker_init_fn=worker_init_fn,
+            worker_init_fn=self._guard,
             multiprocessing_context=multiprocessing_context,
             generator=generator,
             prefetch_factor=prefetch_factor,
@@ -320,11 +367,21 @@ class ODBDataLoader:
         self._fingerprint["ignore_index"] = ignore_index
         digest_src = json.dumps(self._fingerprint, sort_keys=True, default=str)
         self._digest = zlib.crc32(digest_src.encode())
+        # Every argument is valid here: only now meet the peers (a ConfigError on any
+        # rank reaches all of them) and create the gloo group.
+        connect = getattr(self.transport, "connect", None)
+        if callable(connect):
+            connect(json.loads(digest_src), getattr(self, "_odb_seq", None))
+        self._guard.inodes = getattr(self.transport, "socket_inodes", frozenset())
         self._lock = threading.Lock()
         self._pipeline: EpochPipeline | None = None
         self._iteration = 0
         self._workers_started = False
         self._resume: EpochProgress | None = None
+        # The loader as it was before a load not yet checked across ranks (and
+        # whether the last load was refused): see _verify_resume.
+        self._unverified: tuple[Any, ...] | None = None
+        self._refused = False
         self.epoch = 0
         # The current epoch completed (iterated to its end, or loaded closed) and no
         # set_epoch since: the next iter() starts epoch + 1.
@@ -335,6 +392,8 @@ class ODBDataLoader:
         self.ledgers: Ledgers = ()  # per rank, of the last closed epoch
         self.ledger: tuple[int, ...] = ()  # all ranks' ids not emitted by the last closed epoch
         self.carried_in: tuple[int, ...] = ()  # ids the current pass started with
+        # Each id of `ledger`: the passes in a row it has been carried (odb_core.ledger.ages).
+        self.ledger_ages: dict[int, int] = {}
         self.epoch_stats: EpochStats | None = None  # of the last finished epoch
         self._length = EpochLength(self.config)
         self._next_window = 0  # the window a fresh protocol run would open next
@@ -347,6 +406,8 @@ class ODBDataLoader:
         with self._lock:
             self._stop_pipeline()
             self._check_world()
+            if self._unverified is not None:
+                self._verify_resume()
             if self._advance:
                 self._next_epoch()
             self._iteration += 1
@@ -378,6 +439,9 @@ class ODBDataLoader:
                 return iter(())
             excluded = self._excluded(plan)
             self.carried_in = ledger_ids(self._carry)
+            if self.carried_in:
+                # The core forms the carried ids ahead of fresh ones (bounded carry).
+                config = replace(config, carried=frozenset(self.carried_in))
             shard, order_digest = self._start_source(plan, excluded, step0)
             machine_cls = RankMachine if self.trace_dir is None else TracingRankMachine
             trace_path = None
@@ -385,6 +449,8 @@ class ODBDataLoader:
                 trace_path = self.trace_dir / (
                     f"trace-epoch{self.epoch}-step{self._step}-rank{self.rank}.json"
                 )
+            self._guard.owner = os.getpid()
+            self._guard.inodes = getattr(self.transport, "socket_inodes", frozenset())
             setup = EpochSetup(
                 machine=machine_cls(self.rank, config),
                 transport=self.transport,
@@ -547,21 +613,26 @@ class ODBDataLoader:
         ).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Resume from `state_dict()` (this rank's) or a list of every rank's states."""
-        if isinstance(state, Mapping):
-            progress = EpochProgress.from_dict(state)
-        elif isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
-            progress = merge(EpochProgress.from_dict(s) for s in state)
-        else:
-            raise ConfigError(
-                f"load_state_dict expects a state dict or a list of them, got {state!r}"
-            )
-        diff = fingerprint_mismatch(self._fingerprint, progress.fingerprint)
-        if diff:
-            raise ConfigError("loader state is from another dataset or config: " + "; ".join(diff))
-        progress.excluded(self.world_size, self.rank)  # raises now if it cannot resume this rank
+        """Resume from `state_dict()` (this rank's) or a list of every rank's states.
+
+        The state is checked before anything is applied (schema, version, checksum,
+        this dataset and config, internal consistency: `ResumeStateError`), and, in
+        one collective at the first iteration after the load, against what every
+        other rank loaded (`ResumeMismatchError` on every rank, the load undone)."""
+        try:
+            progress = self._checked_state(state)
+        except ConfigError:
+            with self._lock:
+                # Nothing applied; the first iteration still tells the peers.
+                if self._unverified is None:
+                    self._unverified = self._snapshot()
+                self._refused = True
+            raise
         with self._lock:
             self._stop_pipeline()
+            if self._unverified is None:
+                self._unverified = self._snapshot()
+            self._refused = False
             self._serial += 1
             self._resume = progress
             self._carry = progress.carry
@@ -571,6 +642,58 @@ class ODBDataLoader:
             self._advance = progress.closed
 
     # ---- internals -------------------------------------------------------------
+
+    def _checked_state(
+        self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> EpochProgress:
+        if isinstance(state, Mapping):
+            progress = EpochProgress.from_dict(state)
+        elif isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+            progress = merge(EpochProgress.from_dict(s) for s in state)
+        else:
+            raise ResumeStateError(
+                f"load_state_dict expects a state dict or a list of them, got {state!r}"
+            )
+        diff = fingerprint_mismatch(self._fingerprint, progress.fingerprint)
+        if diff:
+            raise ResumeStateError(
+                "loader state is from another dataset or config: " + "; ".join(diff)
+            )
+        progress.check_for(
+            resume_target(
+                progress,
+                self.config,
+                rank=self.rank,
+                length=None if self._iterable else len(self.dataset),
+                id_fn=self.id_fn is not None,
+                partition=self.partition,
+                sampler=self.sampler,
+                shuffle=self.shuffle,
+                seed=self.seed,
+            )
+        )
+        return progress
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        return (self._resume, self._carry, self.epoch, self._advance)
+
+    def _verify_resume(self) -> None:
+        """The first iteration after a load: one collective in which every rank checks
+        that every rank loaded the same progress (resume.check_claims); on a mismatch
+        every rank raises and the load is undone."""
+        snapshot, self._unverified = self._unverified, None
+        assert snapshot is not None
+        claim = ResumeClaim.of(self._resume, refused=self._refused)
+        try:
+            rows = self.transport.exchange(
+                (self._digest, _RESUME_TAG, self._iteration), claim.to_vector()
+            )
+            check_claims(rows, self.rank)
+        except BaseException:
+            self._resume, self._carry, self.epoch, self._advance = snapshot
+            raise
+        finally:
+            self._refused = False
 
     def _reset_progress(self, progress: EpochProgress | None = None) -> None:
         self._step = 0 if progress is None else progress.step
@@ -618,6 +741,7 @@ class ODBDataLoader:
             return  # the last step already applied this close
         self._carry = self.ledgers = ledgers
         self.ledger = ledger_ids(ledgers)
+        self.ledger_ages = ages(ledgers, self.ledger_ages)
         if self.config.mode is Mode.QUOTA:
             log.info(
                 "odb: rank %d: quota epoch %d closed at step %d; %d samples carried into "
@@ -655,7 +779,8 @@ class ODBDataLoader:
                 len(self.dataset), shuffle=self.shuffle, seed=self.seed, epoch=self.epoch
             )
         if not self.partition:
-            shard = [i for i in order if i not in excluded]
+            # With id_fn the done ids are not indices: the producer skips them.
+            shard = order if self.id_fn is not None else [i for i in order if i not in excluded]
         elif self.id_fn is not None or progress is None:
             # With id_fn the done ids are not indices: split the whole order and let
             # the producer skip done ids; the split is the same in every incarnation.

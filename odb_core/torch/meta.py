@@ -236,12 +236,14 @@ def causal_lm_loss(
     *,
     shift: bool = True,
     ignore_index: int = -100,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The step's share of the window's global mean loss, from logits and labels.
 
     tokens:  sum of the token cross-entropies x W / window_loss_tokens
-    samples: sum over the batch's rows of each row's mean x W / window_samples
-             (logits [B, L, V], one sample per row)
+    samples: sum over the batch's samples of each sample's mean x W / window_samples
+             (logits [B, L, V]; one sample per row, or, given the `position_ids`
+             of packed rows (`pack_collate`), one per position run from 0)
 
     `shift=True` predicts token t+1 at position t (labels aligned with input_ids,
     as HF models take them; the loader's default `label_shift=1` counts the same
@@ -269,10 +271,37 @@ def causal_lm_loss(
         total, denom = per_token.sum(), meta.window_loss_tokens
     else:
         width = labels.shape[-1]
-        rows = per_token.reshape(-1, width)
-        counts = (labels != ignore_index).reshape(-1, width).sum(-1)
-        total = (rows.sum(-1) / counts.clamp(min=1)).sum()
+        valid = (labels != ignore_index).reshape(-1, width)
+        if position_ids is None:
+            sums, counts = per_token.reshape(-1, width).sum(-1), valid.sum(-1)
+        else:
+            seg = _segment_index(position_ids, labels.shape, shift)
+            n = int(seg.max()) + 1 if seg.numel() else 0
+            sums = per_token.new_zeros(n).index_add_(0, seg, per_token)
+            counts = valid.new_zeros(n, dtype=torch.long).index_add_(
+                0, seg, valid.reshape(-1).long()
+            )
+        total = (sums / counts.clamp(min=1)).sum()
         denom = meta.window_samples
     if meta.is_pad or denom == 0:
         return (total * 0.0).to(out_dtype)
     return (total * (meta.world_size / denom)).to(out_dtype)
+
+
+def _segment_index(
+    position_ids: torch.Tensor, label_shape: torch.Size, shift: bool
+) -> torch.Tensor:
+    """For each (shifted) label, the index of its sample over the whole batch: a
+    sample starts at each row start and wherever `pos[t] != pos[t-1] + 1`."""
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).to(torch.long)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    seg = starts.reshape(-1).cumsum(0).reshape(pos.shape) - 1
+    if shift:
+        seg = seg[:, 1:]
+    if seg.numel() != label_shape.numel():
+        raise ValueError(
+            f"position_ids of shape {tuple(position_ids.shape)} do not match labels of shape "
+            f"{tuple(label_shape)} (after shift={shift})"
+        )
+    return seg.reshape(-1).to(position_ids.device)

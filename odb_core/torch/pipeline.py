@@ -34,6 +34,11 @@ ready batches at the close, plus the ids of its source order it never delivered)
 is all-gathered in one extra collective, right after that round's all-gather on
 every rank, and the per-rank ledgers ride on the epoch's last step (and its
 end), so a `state_dict()` taken after the last batch already holds them.
+
+Ids across ranks. At the close, before that ledger exchange, every rank (join or
+quota) all-gathers the ids it held this epoch, emitted, skipped as done before a
+resume, and its ledger, and raises DuplicateIdError alike if one is on two ranks
+(odb_core.identity; proofs/identity_uniqueness.md).
 """
 
 from __future__ import annotations
@@ -50,8 +55,15 @@ from typing import Any, NamedTuple
 
 from odb_core.config import Mode, OversizePolicy
 from odb_core.errors import ConfigError, ODBError, ODBPeerError, SampleError
+from odb_core.identity import check_unique
 from odb_core.ledger import Ledgers, validate_ledgers
-from odb_core.protocol import Contribution, RankMachine, StepInfo, _truncated_tokens
+from odb_core.protocol import (
+    Contribution,
+    RankMachine,
+    RankPhase,
+    StepInfo,
+    _truncated_tokens,
+)
 from odb_core.sample import Sample
 from odb_core.torch.measure import CostFn, LossTokens, TruncateFn, default_truncate, measure
 from odb_core.torch.meta import StepMeta, attach_context, with_meta
@@ -62,6 +74,7 @@ from odb_core.verify.trace import ProtocolTrace, TracingRankMachine
 from odb_core.window import WindowBuffer
 
 ROUNDS_AHEAD = 2
+_IDS_TAG = -3  # marks the close's id-uniqueness collective
 
 
 class Emitted(NamedTuple):
@@ -146,6 +159,9 @@ class EpochPipeline:
 
     def __init__(self, setup: EpochSetup, *, threaded: bool) -> None:
         self.s = setup
+        if isinstance(setup.machine, TracingRankMachine) and setup.shard is not None:
+            # The trace's epoch plan: what this rank must see (validation checks coverage).
+            setup.machine.trace.plan = [i for i in setup.shard if i not in setup.excluded]
         self._pad = PadTemplate()
         self._threaded = threaded
         self._queue: queue.Queue[Emitted | _Failure | _End] = queue.Queue()
@@ -160,12 +176,15 @@ class EpochPipeline:
         self._skipped = 0
         self._replay_checked = setup.skip_before <= setup.step_offset
         self._emitted_ids: set[int] = set()
+        self._skipped_ids: list[int] = []  # delivered but done before this run
         self._collective_spans: list[tuple[float, float]] = []
         self._stall_spans: list[tuple[float, float]] = []
         self._collectives = 0
         self._in_flight: Gathering | None = None
         self._end: _End | None = None
         self._finished = False
+        self._peer_failure: _Failure | None = None
+        self._reported = False
         self._gen = self._rounds()
         self._thread = threading.Thread(target=self._run, name="odb-protocol", daemon=True)
 
@@ -178,16 +197,27 @@ class EpochPipeline:
     def get(self) -> Emitted | _End:
         if self._threaded:
             try:
-                item = self._queue.get_nowait()
+                # A peer failure, once known, goes ahead of the steps still queued.
+                item = self._peer_failure or self._queue.get_nowait()
             except queue.Empty:
                 start = time.perf_counter()
-                item = self._wait_item()
+                try:
+                    item = self._wait_item()
+                except Exception as error:  # e.g. torch's "worker exited unexpectedly"
+                    self._fail(_Failure(error))
+                    flush = getattr(self.s.transport, "flush", None)
+                    if callable(flush):
+                        flush(1.0)
+                    raise
                 self._stall_spans.append((start, time.perf_counter()))
         else:
             start = time.perf_counter()
             item = self._next_inline()
             self._stall_spans.append((start, time.perf_counter()))
         if isinstance(item, _Failure):
+            flush = getattr(self.s.transport, "flush", None)
+            if callable(flush):
+                flush(1.0)  # the peers learn why before this process may exit
             exc = item.exc
             del item
             try:
@@ -208,12 +238,36 @@ class EpochPipeline:
         return self._thread.is_alive()
 
     def _wait_item(self) -> Emitted | _Failure | _End:
-        while True:
-            try:
-                return self._queue.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise ODBError("the loader's protocol thread ended without a result") from None
+        t = self.s.transport
+        verdict = getattr(t, "verdict", None)
+        patience = float(getattr(t, "timeout", 0.0))
+        start = time.monotonic()
+        with contextlib.ExitStack() as stack:
+            while True:
+                item = self._wait_once(verdict)
+                if item is not None:
+                    return item
+                if patience and time.monotonic() - start > patience and hasattr(t, "waiting"):
+                    # Waited past peer_timeout: read the peers' heartbeats too, so a
+                    # rank stuck in its own pipeline raises once its peers are gone.
+                    stack.enter_context(t.waiting())
+                    patience = 0.0
+
+    def _wait_once(self, verdict: Any) -> Emitted | _Failure | _End | None:
+        try:
+            return self._queue.get(timeout=0.1)
+        except queue.Empty:
+            if self._peer_failure is not None:
+                return self._peer_failure
+            if not self._thread.is_alive() and self._queue.empty():
+                raise ODBError("the loader's protocol thread ended without a result") from None
+            # The protocol thread may be stuck in this rank's own data pipeline (a
+            # hung worker): raise once a peer failed and said so, or the store's host
+            # is gone. Not after the epoch's last round: the close raises alike.
+            if self.s.machine.phase is RankPhase.DONE or not callable(verdict):
+                return None
+            known = verdict()
+            return None if known is None else _Failure(known)
 
     def _next_inline(self) -> Emitted | _Failure | _End:
         if self._end is not None:
@@ -225,6 +279,8 @@ class EpochPipeline:
             final = stop.value
         except BaseException as exc:
             final = _Failure(exc)
+        if isinstance(final, _Failure):
+            self._fail(final)
         final = self._finish(final)
         if isinstance(final, _End):
             self._end = final
@@ -256,16 +312,40 @@ class EpochPipeline:
             final = stop.value
         except BaseException as exc:
             final = _Failure(exc)
+        if isinstance(final, _Failure):
+            # Hand the failure over first: the inner loader's workers shut down after.
+            self._fail(final)
+            self._queue.put(final)
+            self._finish(final)
+            del final
+            return
         final = self._finish(final)
         # Last: once the loop sees the end, the process may exit at once.
         self._queue.put(final)
         del final
 
+    def _fail(self, failure: _Failure) -> None:
+        if self._stopping and isinstance(failure.exc, ODBError):
+            return  # closed by the loop (or its peers' close), not a fault
+        if isinstance(failure.exc, ODBPeerError):
+            self._peer_failure = failure
+        report = getattr(self.s.transport, "report", None)
+        if callable(report) and not self._reported:
+            self._reported = True
+            report(failure.exc)
+
     def _finish(self, final: _End | _Failure) -> _End | _Failure:
         self._finished = True
         # Release the inner iterator now (it shuts its workers down unless they are
-        # persistent, which the DataLoader itself keeps alive).
+        # persistent, which the DataLoader itself keeps alive); after a failure on a
+        # background thread, so that the error does not wait for the workers.
+        holder = [self.s.source]
         self.s.source = iter(())
+        if isinstance(final, _Failure):
+            threading.Thread(target=holder.clear, name="odb-release-workers", daemon=True).start()
+        else:
+            holder.clear()
+        del holder
         try:
             self._save_trace()
         except OSError as exc:
@@ -317,7 +397,9 @@ class EpochPipeline:
                 steps = self._emit(released, result.done)
                 self._released.append(len(released) + (self._released[-1] if r else 0))
                 if result.done:
-                    ledger = self._exchange(self._ledger(result.carried), m.round)
+                    unemitted = self._ledger(result.carried)
+                    self._check_ids(m.round, unemitted)
+                    ledger = self._exchange(unemitted, m.round)
                     if steps:
                         steps[-1] = steps[-1]._replace(ledger=ledger)
                     yield from steps
@@ -350,6 +432,8 @@ class EpochPipeline:
                     window=info.window + self.s.window_offset,
                 )
             attach_context(info, config.world_size, config.loss_normalization)
+            if isinstance(self.s.machine, TracingRankMachine):
+                self.s.machine.received([info])
             if info.step < self.s.skip_before:
                 self._skip(info)
                 skipped += 1
@@ -418,6 +502,7 @@ class EpochPipeline:
             if self.s.id_fn is not None:
                 sid = _as_id(self.s.id_fn(raw), sid)
             if sid in self.s.excluded:
+                self._skipped_ids.append(sid)
                 continue
             sample = measure(raw, sid, self.s.cost_fn, self.s.loss_tokens)
             if self.s.machine.config.oversize is OversizePolicy.TRUNCATE:
@@ -478,6 +563,15 @@ class EpochPipeline:
             return tuple(s.id for s in carried)
         done = self._emitted_ids | self.s.excluded
         return tuple(i for i in self.s.shard if i not in done)
+
+    def _check_ids(self, round_: int, unemitted: tuple[int, ...]) -> None:
+        """At the close, one collective of the ids every rank holds for the epoch
+        (emitted, skipped as done, and its quota ledger); every rank raises
+        DuplicateIdError alike if an id is on two ranks (odb_core.identity)."""
+        if self.s.machine.config.mode is not Mode.QUOTA:
+            unemitted = ()
+        mine = sorted([*self._emitted_ids, *self._skipped_ids, *unemitted])
+        check_unique(self.s.transport.exchange((*self.s.tag, round_, _IDS_TAG), mine))
 
     def _exchange(self, mine: tuple[int, ...], round_: int) -> Ledgers:
         m = self.s.machine

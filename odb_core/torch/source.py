@@ -9,8 +9,13 @@ become records so the main process raises them naming the sample id.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
+import threading
+import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
@@ -53,6 +58,60 @@ def _ship(records: list[Record]) -> list[Record] | Packed:
 def identity(x: Any) -> Any:
     """collate_fn of the inner loader (module level, so spawn can pickle it)."""
     return x
+
+
+class WorkerGuard:
+    """The inner loader's `worker_init_fn`: first ties the worker to its rank, then
+    calls the user's `worker_init_fn`.
+
+    - A forked worker closes its copies of the rank's gloo sockets (`inodes`, set by
+      the loader from the transport). Otherwise the sockets of a killed rank stay
+      open in its workers, and its peers notice the death only when the workers go.
+    - A thread exits the worker as soon as the rank process (`owner`) is gone, by
+      any start method (a forkserver worker's parent is the forkserver, so torch's
+      parent watchdog does not see the rank die).
+    """
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+        self.owner = os.getpid()
+        self.inodes: frozenset[str] = frozenset()
+
+    def __call__(self, worker_id: int) -> None:
+        if self.inodes:
+            _close_sockets(self.inodes)
+        threading.Thread(
+            target=_exit_with, args=(self.owner,), name="odb-owner-watch", daemon=True
+        ).start()
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def _close_sockets(inodes: frozenset[str]) -> None:
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{name}") in inodes:
+                    os.close(int(name))
+
+
+def _exit_with(owner: int) -> None:
+    try:
+        fd = os.pidfd_open(owner)
+    except (AttributeError, OSError):
+        fd = -1
+    if fd >= 0:
+        select.select([fd], [], [])
+    else:
+        while True:
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                break
+            except OSError:
+                pass
+            time.sleep(0.5)
+    os._exit(1)
 
 
 class IndexChunks(Sampler[list[int]]):

@@ -15,6 +15,7 @@ from dataclasses import replace
 from odb_core.batch import Batch
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget
+from odb_core.formers import FormResult
 from odb_core.protocol import (
     Contribution,
     RankAction,
@@ -22,6 +23,7 @@ from odb_core.protocol import (
     RankPhase,
     RoundResult,
 )
+from odb_core.sample import Sample
 from odb_core.verify.model import ModelConfig, round_robin_shards
 
 
@@ -138,6 +140,16 @@ class WindowByLocal(RankMachine):
         return self.window_local >= target
 
 
+class CarryNotFirst(RankMachine):
+    """Quota mode: carried ids are formed like fresh ones (the former before
+    issue 11): longest first, so a short carried sample is left over behind the
+    fresh arrivals, pass after pass."""
+
+    def _run_former(self, window: list[Sample], flush: bool) -> FormResult:
+        c = self.config
+        return self._former(window, c.budget, c.cost_model, flush)
+
+
 class BugVariant(enum.Enum):
     SILENT_STOP = "silent-stop"
     NO_PADS = "no-pads"
@@ -149,6 +161,7 @@ class BugVariant(enum.Enum):
     EAGER_CONTRIBUTE = "eager-contribute"
     LOSS_BY_COST = "loss-by-cost"
     WINDOW_BY_LOCAL = "window-by-local"
+    CARRY_NOT_FIRST = "carry-not-first"
 
     @property
     def machine(self) -> type[RankMachine]:
@@ -161,7 +174,14 @@ class BugVariant(enum.Enum):
 
     @property
     def mode(self) -> Mode:
-        return Mode.QUOTA if self is BugVariant.QUOTA_FORGETS_LEDGER else Mode.JOIN
+        quota = (BugVariant.QUOTA_FORGETS_LEDGER, BugVariant.CARRY_NOT_FIRST)
+        return Mode.QUOTA if self in quota else Mode.JOIN
+
+    @property
+    def passes(self) -> int:
+        """Passes a check must run to see the bug: 2 for a cross-epoch property,
+        which `odb_core.verify.fairness.check_passes` checks (not `checker.check`)."""
+        return 2 if self is BugVariant.CARRY_NOT_FIRST else 1
 
     def model(self) -> ModelConfig:
         """A small configuration on which the checker finds this bug."""
@@ -173,6 +193,7 @@ class BugVariant(enum.Enum):
             mode=self.mode,
             max_steps_per_round=2,
             tokens_per_update=_TOKENS_PER_UPDATE.get(self),
+            quota=_QUOTA.get(self),
         )
         # Loss tokens below the cost (a masked first token, as causal LM labels have),
         # so counting the cost instead shows.
@@ -193,6 +214,11 @@ _SMALL_MODEL: dict[BugVariant, tuple[tuple[int, ...], int, int]] = {
 
 _TOKENS_PER_UPDATE: dict[BugVariant, int] = {BugVariant.WINDOW_BY_LOCAL: 2}
 
+# Pass 1 can close at quota 3 carrying only id 4 (rank 0); pass 2 forms rank 0's
+# fresh id 0 (as long, a lower id) first, leaves 4 over and meets the quota without it.
+_SMALL_MODEL[BugVariant.CARRY_NOT_FIRST] = ((4, 1, 4, 4, 4, 1), 2, 2)
+_QUOTA: dict[BugVariant, int] = {BugVariant.CARRY_NOT_FIRST: 3}
+
 _MACHINES: dict[BugVariant, type[RankMachine]] = {
     BugVariant.SILENT_STOP: SilentStop,
     BugVariant.NO_PADS: NoPads,
@@ -204,6 +230,7 @@ _MACHINES: dict[BugVariant, type[RankMachine]] = {
     BugVariant.EAGER_CONTRIBUTE: EagerContribute,
     BugVariant.LOSS_BY_COST: LossByCost,
     BugVariant.WINDOW_BY_LOCAL: WindowByLocal,
+    BugVariant.CARRY_NOT_FIRST: CarryNotFirst,
 }
 
 _VIOLATES: dict[BugVariant, str] = {
@@ -217,4 +244,5 @@ _VIOLATES: dict[BugVariant, str] = {
     BugVariant.EAGER_CONTRIBUTE: "BoundedTermination",
     BugVariant.LOSS_BY_COST: "ExactLossScaling",
     BugVariant.WINDOW_BY_LOCAL: "WindowAlignment",
+    BugVariant.CARRY_NOT_FIRST: "CrossEpochFairness",
 }

@@ -19,8 +19,7 @@ from typing import Any
 import networkx as nx
 
 from odb_core.errors import ODBError
-from odb_core.protocol import rounds_bound, steps_bound
-from odb_core.verify.invariants import INVARIANTS
+from odb_core.verify.invariants import INVARIANTS, epoch_bounds
 from odb_core.verify.model import GlobalModel, GlobalState, ModelConfig
 
 GRAPH_PROPERTIES = ("DeadlockFreedom", "Termination")
@@ -136,8 +135,7 @@ def check(
     invariants = {k: v for k, v in INVARIANTS.items() if k in wanted}
     model = GlobalModel(cfg)
     report = CheckReport(config=_describe_config(cfg))
-    report.steps_bound = steps_bound(cfg.samples_per_rank)
-    report.rounds_bound = rounds_bound(cfg.samples_per_rank)
+    report.steps_bound, report.rounds_bound = epoch_bounds(cfg)
     start = time.perf_counter()
     cpu_start = time.process_time()
     init = model.init()

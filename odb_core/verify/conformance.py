@@ -48,6 +48,8 @@ VARIABLES = (
     "inbox",
     "delivered",
     "ledger",
+    "step_batches",
+    "step_counts",
 )
 
 Canon = tuple[Hashable, ...]
@@ -130,6 +132,8 @@ def canonical_tlc(state: Mapping[str, Any]) -> Canon:
         inbox,
         tuple(_per_key(state["delivered"])),
         frozenset(state["ledger"]),
+        tuple(tuple(frozenset(b) for b in q) for q in _per_key(state["step_batches"])),
+        tuple(tuple(tuple(int(x) for x in c) for c in q) for q in _per_key(state["step_counts"])),
     )
 
 
@@ -159,6 +163,8 @@ def canonical_python(state: GlobalState) -> Canon:
         tuple(None if i is None else tuple(_py_contribution(c) for c in i) for i in state.inbox),
         tuple(state.delivered),
         frozenset(state.ledger),
+        state.step_batches,
+        state.step_counts,
     )
 
 

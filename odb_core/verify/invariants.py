@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 from odb_core.config import Mode
 from odb_core.cost import BatchStats
-from odb_core.protocol import RankPhase, rounds_bound, steps_bound
+from odb_core.errors import ODBError
+from odb_core.protocol import RankMachine, RankPhase, rounds_bound, steps_bound
+from odb_core.sample import Sample
 from odb_core.verify.model import GlobalState, ModelConfig
 
 Check = Callable[[GlobalState, ModelConfig], "str | None"]
@@ -110,6 +112,12 @@ def quota_closure(state: GlobalState, cfg: ModelConfig) -> str | None:
     dry = any(all(state.delivered[s.id] for s in shard) for shard in cfg.shards)
     if not (met or dry):
         return f"epoch closed with {emitted} samples, quota {quota} unmet and no rank dry"
+    counts = state.step_counts[0]
+    if quota is not None and counts and emitted - counts[-1][0] >= quota:
+        return (
+            f"epoch closed late: {emitted - counts[-1][0]} samples had met quota {quota} "
+            "before its last step"
+        )
     return None
 
 
@@ -125,8 +133,17 @@ def budget_safety(state: GlobalState, cfg: ModelConfig) -> str | None:
     return None
 
 
+def epoch_bounds(cfg: ModelConfig) -> tuple[int, int]:
+    """(steps, rounds) bounds of an epoch: max_r N_r (+ 1) in join mode; in quota
+    mode no rank pads, so min_r N_r (+ 1) (proofs/bounded_termination.md)."""
+    per_rank = cfg.samples_per_rank
+    if cfg.protocol.mode is Mode.QUOTA:
+        return min(per_rank, default=0), min(per_rank, default=0) + 1
+    return steps_bound(per_rank), rounds_bound(per_rank)
+
+
 def bounded_termination(state: GlobalState, cfg: ModelConfig) -> str | None:
-    sb, rb = steps_bound(cfg.samples_per_rank), rounds_bound(cfg.samples_per_rank)
+    sb, rb = epoch_bounds(cfg)
     for r, rs in enumerate(state.ranks):
         if rs.steps > sb:
             return f"rank {r} ran {rs.steps} steps > bound {sb}"
@@ -169,6 +186,69 @@ def exact_loss_scaling(state: GlobalState, cfg: ModelConfig) -> str | None:
         inbox = state.inbox[r]
         if inbox is not None and inbox[r] != c:
             return f"rank {r} received {inbox[r]} as its own vector but sent {c}"
+    for r, (batches, counts) in enumerate(zip(state.step_batches, state.step_counts, strict=True)):
+        if len(batches) != len(counts):
+            return f"rank {r} ran {len(batches)} batches but decided {len(counts)} steps"
+        if sum(c[0] for c in counts) != state.ranks[r].emitted:
+            return f"rank {r} emitted {state.ranks[r].emitted}, its steps' counts say otherwise"
+        for s, other in enumerate(state.step_counts):
+            common = min(len(counts), len(other))
+            if counts[:common] != other[:common]:
+                return f"ranks {r} and {s} decided different global counts"
+    observed = _observed(cfg)
+    for t in range(min(len(b) for b in state.step_batches)):
+        at = [b[t] for b in state.step_batches]
+        total = (
+            sum(len(b) for b in at),
+            sum(observed[i].length for b in at for i in b),
+            sum(observed[i].loss for b in at for i in b),
+        )
+        if state.step_counts[0][t] != total:
+            got = state.step_counts[0][t]
+            return f"step {t}: global counts {got} but the batches sum to {total}"
+    return None
+
+
+def _observed(cfg: ModelConfig) -> dict[int, Sample]:
+    """Each sample as a rank holds it once observed (the oversize policy applied)."""
+    cache: dict[int, Sample] | None = cfg.__dict__.get("_observed")
+    if cache is None:
+        machine = RankMachine(0, cfg.protocol)
+        cache = {}
+        for i in range(cfg.n_samples):
+            try:
+                cache[i] = machine._apply_oversize_policy(cfg.sample(i))
+            except ODBError:
+                cache[i] = cfg.sample(i)  # refused at observe: never in a batch
+        object.__setattr__(cfg, "_observed", cache)
+    return cache
+
+
+def pads_only_at_end(state: GlobalState, cfg: ModelConfig) -> str | None:
+    """A rank pads only once it has nothing left (source dry, window and queue
+    empty), never in quota mode, and its steps are its batches, then pads."""
+    for r, rs in enumerate(state.ranks):
+        if rs.pads and not (rs.exhausted and not rs.buffer and not rs.ready):
+            return f"rank {r} padded while it still holds samples"
+        if rs.pads and cfg.protocol.mode is Mode.QUOTA:
+            return f"rank {r} padded in quota mode"
+        batches = state.step_batches[r]
+        first_pad = next((t for t, b in enumerate(batches) if not b), len(batches))
+        if any(batches[first_pad:]):
+            return f"rank {r} ran a real batch after a pad (step {first_pad})"
+    return None
+
+
+def deterministic_arrival(state: GlobalState, cfg: ModelConfig) -> str | None:
+    """In deterministic mode a rank has consumed a prefix of its shard."""
+    if not cfg.protocol.deterministic:
+        return None
+    for r, shard in enumerate(cfg.shards):
+        pending = state.pending[r]
+        if pending:
+            early = [s.id for s in shard if s.id not in pending and s.id > min(pending)]
+            if early:
+                return f"rank {r} consumed {early} before {min(pending)}"
     return None
 
 
@@ -221,6 +301,8 @@ INVARIANTS: dict[str, Check] = {
     "TerminationAgreement": termination_agreement,
     "ExactLossScaling": exact_loss_scaling,
     "WindowAlignment": window_alignment,
+    "PadsOnlyAtEnd": pads_only_at_end,
+    "DeterministicArrival": deterministic_arrival,
 }
 """Safety invariants checked on every reachable state. DeadlockFreedom and
 Termination are properties of the state graph and are checked by the checker."""

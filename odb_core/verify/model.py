@@ -12,9 +12,10 @@ its copy in its own `Receive(r)`, so ranks leave the collective, emit their
 steps and start the next round at different times, as real ranks do.
 
 Variables mirror spec/DGAP.tla: per rank `phase, exhausted, buffer, ready, steps,
-pads, round, emitted` (in `RankSnapshot`), plus `pending` (each rank's source),
+pads, round, emitted, ...` (in `RankSnapshot`), plus `pending` (each rank's source),
 `inbox` (a gathered round not yet consumed), `delivered` (real emissions per
-sample id) and `ledger` (ids carried over by a quota-mode close).
+sample id), `ledger` (ids carried over by a quota-mode close), and per rank the
+batch (`step_batches`) and the global counts (`step_counts`) of every step it ran.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class GlobalState(NamedTuple):
     inbox: tuple[tuple[Contribution, ...] | None, ...]
     delivered: tuple[int, ...]
     ledger: frozenset[int]
+    # Per rank, one entry per step it ran: the batch's ids (empty for a pad), and
+    # the step's global (samples, cost tokens, loss tokens) as it decided them.
+    step_batches: tuple[tuple[frozenset[int], ...], ...]
+    step_counts: tuple[tuple[tuple[int, int, int], ...], ...]
 
     @property
     def all_done(self) -> bool:
@@ -104,17 +109,33 @@ class ModelConfig:
 
 
 def round_robin_shards(
-    costs: Sequence[int], world_size: int, loss: Sequence[int] | None = None
+    costs: Sequence[int],
+    world_size: int,
+    loss: Sequence[int] | None = None,
+    *,
+    visual: Sequence[int] | None = None,
+    patches: Sequence[int] | None = None,
 ) -> tuple[tuple[Sample, ...], ...]:
-    """Sample i (cost costs[i], loss tokens loss[i], default all its tokens) goes to
-    rank i mod W, like a non-padding DistributedSampler."""
+    """Sample i (cost costs[i], of which visual[i] visual tokens; patches[i]
+    patches; loss tokens loss[i], default all its text tokens) goes to rank
+    i mod W, like a non-padding DistributedSampler."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size={world_size!r} must be an integer >= 1")
-    if loss is not None and len(loss) != len(costs):
-        raise ConfigError(f"{len(loss)} loss-token counts for {len(costs)} samples")
+    for name, col in (("loss-token", loss), ("visual-token", visual), ("patch", patches)):
+        if col is not None and len(col) != len(costs):
+            raise ConfigError(f"{len(col)} {name} counts for {len(costs)} samples")
+    vis = visual or [0] * len(costs)
+    if any(not 0 <= v <= c for v, c in zip(vis, costs, strict=True)):
+        raise ConfigError(f"visual tokens {list(vis)} must be within the costs {list(costs)}")
     return tuple(
         tuple(
-            Sample(i, c, loss_tokens=None if loss is None else loss[i])
+            Sample(
+                i,
+                c - vis[i],
+                visual_tokens=vis[i],
+                patches=0 if patches is None else patches[i],
+                loss_tokens=None if loss is None else loss[i],
+            )
             for i, c in enumerate(costs)
             if i % world_size == r
         )
@@ -146,6 +167,8 @@ class GlobalModel:
             inbox=(None,) * self.world,
             delivered=(0,) * self.config.n_samples,
             ledger=frozenset(),
+            step_batches=((),) * self.world,
+            step_counts=((),) * self.world,
         )
 
     def machine(self, state: GlobalState, rank: int) -> RankMachine:
@@ -257,12 +280,19 @@ class GlobalModel:
             # Unarrived samples of a closed quota epoch are carried too.
             ledger = ledger | pending[r]
             pending = _replace(pending, r, frozenset())
+        batches = tuple(frozenset(info.sample_ids) for info in result.steps)
+        counts = tuple(
+            (info.global_samples, info.global_tokens, info.global_loss_tokens)
+            for info in result.steps
+        )
         return GlobalState(
             _replace(state.ranks, r, snap),
             pending,
             _replace(state.inbox, r, None),
             tuple(delivered),
             ledger,
+            _replace(state.step_batches, r, state.step_batches[r] + batches),
+            _replace(state.step_counts, r, state.step_counts[r] + counts),
         ), result
 
 

@@ -20,16 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from odb_core.config import ProtocolConfig
+from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import AttentionAware, Budget, CostModel, Multimodal, PackedTokens, PaddedTokens
 from odb_core.errors import ConfigError
-from odb_core.protocol import Contribution, RankMachine, RoundResult
+from odb_core.protocol import Contribution, RankMachine, RoundResult, StepInfo
 from odb_core.sample import Sample
 from odb_core.verify.invariants import INVARIANTS
 from odb_core.verify.model import Action, GlobalModel, GlobalState, ModelConfig
+from odb_core.window import WindowBuffer
 
 #: 2: the all-gather vector carries loss tokens (2 + 3M integers), Receives `sync`.
-TRACE_VERSION = 2
+#: 3: each rank's epoch plan, each Receive's per-step global counts (`global`), and
+#: the loss scale of every step the training loop received (`scales`).
+TRACE_VERSION = 3
 
 
 def cost_model_to_dict(model: CostModel) -> dict[str, Any]:
@@ -57,6 +60,8 @@ def cost_model_from_dict(d: dict[str, Any]) -> CostModel:
 def protocol_to_dict(cfg: ProtocolConfig) -> dict[str, Any]:
     out = cfg.describe()
     out["cost_model"] = cost_model_to_dict(cfg.cost_model)
+    if cfg.carried:
+        out["carried"] = sorted(cfg.carried)
     return out
 
 
@@ -75,6 +80,7 @@ def protocol_from_dict(d: dict[str, Any]) -> ProtocolConfig:
         loss_normalization=d.get("loss_normalization", "tokens"),
         grad_accum_steps=d.get("grad_accum_steps"),
         tokens_per_update=d.get("tokens_per_update"),
+        carried=frozenset(int(i) for i in d.get("carried", ())),
     )
 
 
@@ -86,20 +92,37 @@ class RankTrace:
     {"action": "Contribute", "vector": [...]} (`Contribution.to_vector`: offered,
     final, then samples, cost tokens and loss tokens of each offered batch),
     {"action": "Receive", "steps": [[ids...] | null (pad), ...],
-     "sync": [bool, ...] (an optimizer window closed at the step), "done": bool}.
+     "sync": [bool, ...] (an optimizer window closed at the step),
+     "global": [[samples, cost tokens, loss tokens], ...] (each step's global counts),
+     "done": bool}.
+    `plan`: the ids this rank must see this epoch (its shard, resume exclusions
+    removed), or None when the driver does not know it (a stream): every planned
+    id must be observed, except those a quota close carries unread. `scales`: the
+    loss scale of each step the training loop received, in step order, or None
+    when the driver does not record them.
     A 4-field sample (no loss_tokens: every text token counts) and a Receive
-    without `sync` (boundaries not checked) are accepted."""
+    without `sync` or `global` (not checked) are accepted."""
 
     rank: int
     events: list[dict[str, Any]] = field(default_factory=list)
+    plan: list[int] | None = None
+    scales: list[float] | None = None
 
 
 class TracingRankMachine(RankMachine):
     """A RankMachine that records its events; behaviour is unchanged."""
 
-    def __init__(self, rank: int, config: ProtocolConfig) -> None:
+    def __init__(
+        self, rank: int, config: ProtocolConfig, plan: Iterable[int] | None = None
+    ) -> None:
         super().__init__(rank, config)
-        self.trace = RankTrace(rank)
+        self.trace = RankTrace(rank, plan=None if plan is None else [int(i) for i in plan])
+
+    def received(self, steps: Iterable[StepInfo]) -> None:
+        """Record the final steps handed to the training loop (their loss scales)."""
+        if self.trace.scales is None:
+            self.trace.scales = []
+        self.trace.scales.extend(float(s.loss_scale) for s in steps)
 
     def observe(self, sample: Sample) -> None:
         super().observe(sample)
@@ -127,6 +150,9 @@ class TracingRankMachine(RankMachine):
                 "action": "Receive",
                 "steps": [None if s.is_pad else list(s.sample_ids) for s in result.steps],
                 "sync": [s.sync_gradients for s in result.steps],
+                "global": [
+                    [s.global_samples, s.global_tokens, s.global_loss_tokens] for s in result.steps
+                ],
                 "done": result.done,
             }
         )
@@ -142,17 +168,30 @@ class ProtocolTrace:
         return {
             "version": TRACE_VERSION,
             "protocol": self.protocol,
-            "ranks": [{"rank": r.rank, "events": r.events} for r in self.ranks],
+            "ranks": [
+                {"rank": r.rank, "events": r.events, "plan": r.plan, "scales": r.scales}
+                for r in self.ranks
+            ],
         }
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ProtocolTrace:
         if d.get("version") != TRACE_VERSION:
             raise ConfigError(
-                f"trace version {d.get('version')!r}, expected {TRACE_VERSION} (version 1 "
-                "traces predate loss tokens in the all-gather vector: record the run again)"
+                f"trace version {d.get('version')!r}, expected {TRACE_VERSION}: version 2 "
+                "traces carry no epoch plan, per-step global counts or loss scales, and "
+                "version 1 traces no loss tokens in the all-gather vector; record the run "
+                "again with this odb-core"
             )
-        ranks = [RankTrace(int(r["rank"]), list(r["events"])) for r in d["ranks"]]
+        ranks = [
+            RankTrace(
+                int(r["rank"]),
+                list(r["events"]),
+                None if r.get("plan") is None else [int(i) for i in r["plan"]],
+                None if r.get("scales") is None else [float(x) for x in r["scales"]],
+            )
+            for r in d["ranks"]
+        ]
         return ProtocolTrace(dict(d["protocol"]), sorted(ranks, key=lambda r: r.rank))
 
     @staticmethod
@@ -206,9 +245,88 @@ def trace_model(trace: ProtocolTrace) -> tuple[ModelConfig, dict[int, int]]:
     ids = sorted(s.id for shard in observed for s in shard)
     if len(set(ids)) != len(ids):
         raise ConfigError("trace observes some sample id on two ranks or twice")
-    id_map = {old: new for new, old in enumerate(ids)}
-    shards = tuple(tuple(s._replace(id=id_map[s.id]) for s in shard) for shard in observed)
+    # A planned id the rank never observed is still in its source: the model (and
+    # the spec) hold it pending, so the trace is a behaviour only if the epoch may
+    # end without reading it (a quota close carries it); its cost is never read.
+    unread: list[list[Sample]] = []
+    for r, (rt, shard) in enumerate(zip(trace.ranks, observed, strict=True)):
+        if rt.plan is None:
+            unread.append([])
+            continue
+        seen = {s.id for s in shard}
+        outside = sorted(seen - set(rt.plan))
+        if outside or len(set(rt.plan)) != len(rt.plan):
+            raise ConfigError(
+                f"rank {r} observed ids outside its epoch plan {outside[:10]}, or its plan "
+                "lists an id twice"
+            )
+        unread.append([Sample(i, 1) for i in rt.plan if i not in seen])
+    ids += [s.id for shard in unread for s in shard]
+    if len(set(ids)) != len(ids):
+        raise ConfigError("the ranks' epoch plans overlap")
+    id_map = {old: new for new, old in enumerate(sorted(ids))}
+    shards = tuple(
+        tuple(s._replace(id=id_map[s.id]) for s in (*shard, *extra))
+        for shard, extra in zip(observed, unread, strict=True)
+    )
     return ModelConfig(protocol, shards), id_map
+
+
+def plan_gaps(trace: ProtocolTrace) -> dict[int, list[int]]:
+    """Per rank, the ids of its epoch plan it never observed."""
+    gaps: dict[int, list[int]] = {}
+    for rt in trace.ranks:
+        seen = {e["sample"][0] for e in rt.events if e["action"] == "Observe"}
+        missing = [i for i in rt.plan or () if i not in seen]
+        if missing:
+            gaps[rt.rank] = missing
+    return gaps
+
+
+def scale_mismatch(trace: ProtocolTrace) -> str:
+    """Whether each rank's recorded loss scales (what its training loop received)
+    are the decided ones: its recorded steps, window boundaries and per-step global
+    counts (validated against the model or the spec) put through `WindowBuffer`,
+    which every driver releases steps by. Empty when they agree or were not recorded."""
+    protocol = protocol_from_dict(trace.protocol)
+    for rt in trace.ranks:
+        if rt.scales is None:
+            continue
+        samples = {
+            int(e["sample"][0]): Sample(*e["sample"]) for e in rt.events if e["action"] == "Observe"
+        }
+        buffer, decided, step, window = WindowBuffer(protocol), [], 0, 0
+        for e in rt.events:
+            if e["action"] != "Receive":
+                continue
+            if e.get("global") is None or e.get("sync") is None:
+                return f"rank {rt.rank} recorded loss scales but not the counts they come from"
+            infos = []
+            for t, ids in enumerate(e["steps"]):
+                batch = [samples[int(i)] for i in ids or ()]
+                g = e["global"][t]
+                infos.append(
+                    StepInfo(
+                        step, rt.rank, 0, ids is None, None,
+                        len(batch), int(g[0]), sum(s.tokens for s in batch), int(g[1]),
+                        sum(s.loss for s in batch), int(g[2]), window, bool(e["sync"][t]),
+                    )
+                )  # fmt: skip
+                step += 1
+                window += bool(e["sync"][t])
+            decided += [s.loss_scale for s in buffer.push_steps(infos, done=bool(e["done"]))]
+        if len(rt.scales) != len(decided):
+            return (
+                f"rank {rt.rank}: the training loop received {len(rt.scales)} steps, but "
+                f"{len(decided)} were decided"
+            )
+        for k, (got, want) in enumerate(zip(rt.scales, decided, strict=True)):
+            if got != want:
+                return (
+                    f"rank {rt.rank}: the training loop received loss scale {got} at step {k}, "
+                    f"but the decided scale is {want}"
+                )
+    return ""
 
 
 def validate_trace(trace: ProtocolTrace) -> TraceReport:
@@ -224,6 +342,14 @@ def validate_trace(trace: ProtocolTrace) -> TraceReport:
 
     def fail(reason: str) -> TraceReport:
         return TraceReport(False, labels, reason, cfg, id_map)
+
+    gaps = plan_gaps(trace)
+    if gaps and cfg.protocol.mode is Mode.JOIN:
+        r, missing = next(iter(gaps.items()))
+        return fail(
+            f"rank {r} never observed ids {missing[:10]} of its epoch plan: the run does not "
+            "cover the epoch (a sampler or dataset dropped samples)"
+        )
 
     while True:
         progressed = False
@@ -261,6 +387,9 @@ def validate_trace(trace: ProtocolTrace) -> TraceReport:
             return fail("no recorded event is enabled: " + "; ".join(stuck))
     if not state.all_done:
         return fail("trace ends before every rank finished the epoch")
+    wrong_scale = scale_mismatch(trace)
+    if wrong_scale:
+        return fail(wrong_scale)
     return TraceReport(True, labels, "", cfg, id_map)
 
 
@@ -312,6 +441,14 @@ def _decision_mismatch(
                 return (
                     f"recorded optimizer-window boundaries {sync} but the model closes "
                     f"windows at {model_sync}"
+                )
+        recorded_counts = event.get("global")
+        if recorded_counts is not None:
+            counts = after.step_counts[r][len(before.step_counts[r]) :]
+            if [tuple(int(x) for x in c) for c in recorded_counts] != list(counts):
+                return (
+                    f"recorded per-step global counts {recorded_counts} but the model decides "
+                    f"{[list(c) for c in counts]}"
                 )
         if bool(event["done"]) != (after.ranks[r].phase.value == "done"):
             return "recorded end of epoch differs from the model's"

@@ -45,6 +45,10 @@ class ManifestModel:
     loss: tuple[int, ...] | None = None  # per-sample loss tokens; None: all tokens count
     grad_accum_steps: int | None = None
     tokens_per_update: int | None = None
+    visual: tuple[int, ...] | None = None  # per-sample visual tokens, part of the costs
+    patches: tuple[int, ...] | None = None  # per-sample visual patches
+    max_samples: int | None = None
+    max_patches: int | None = None
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ManifestModel:
@@ -75,6 +79,10 @@ class ManifestModel:
             loss=None if m.get("loss") is None else tuple(int(x) for x in m["loss"]),
             grad_accum_steps=m.get("grad_accum_steps"),
             tokens_per_update=m.get("tokens_per_update"),
+            visual=_ints_or_none(m.get("visual")),
+            patches=_ints_or_none(m.get("patches")),
+            max_samples=m.get("max_samples"),
+            max_patches=m.get("max_patches"),
         )
 
     def model_config(self, machine: type[RankMachine] = RankMachine) -> ModelConfig:
@@ -83,7 +91,7 @@ class ManifestModel:
         cost = PaddedTokens() if self.cost_model == "padded" else PackedTokens()
         protocol = ProtocolConfig(
             world_size=self.world_size,
-            budget=Budget(self.budget),
+            budget=Budget(self.budget, self.max_samples, self.max_patches),
             cost_model=cost,
             buffer_size=self.buffer_size,
             mode=Mode(self.mode),
@@ -94,7 +102,9 @@ class ManifestModel:
             grad_accum_steps=self.grad_accum_steps,
             tokens_per_update=self.tokens_per_update,
         )
-        shards = round_robin_shards(self.costs, self.world_size, self.loss)
+        shards = round_robin_shards(
+            self.costs, self.world_size, self.loss, visual=self.visual, patches=self.patches
+        )
         return ModelConfig(protocol, shards, machine=machine)
 
     def render(self) -> tuple[str, str]:
@@ -104,6 +114,10 @@ class ManifestModel:
     @property
     def expected(self) -> str:
         return str(self.expect["result"])
+
+
+def _ints_or_none(v: Any) -> tuple[int, ...] | None:
+    return None if v is None else tuple(int(x) for x in v)
 
 
 def load_manifest(path: Path | None = None) -> list[ManifestModel]:

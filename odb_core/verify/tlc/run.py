@@ -112,7 +112,7 @@ class TLCResult:
 _VAR_ORDER = (
     *("phase", "exhausted", "buffer", "ready", "steps", "pads", "round", "emitted"),
     *("contribution", "window_loss", "window_local", "windows"),
-    *("pending", "inbox", "delivered", "ledger", "pc"),
+    *("pending", "inbox", "delivered", "ledger", "step_batches", "step_counts", "pc"),
 )
 
 

@@ -12,7 +12,7 @@ from odb_core.verify.model import ModelConfig
 from odb_core.verify.tlc.install import SPEC_INVARIANTS, SpecUnsupported
 from odb_core.verify.tlc.render import spec_constants, tla_value
 from odb_core.verify.tlc.run import TLCResult, run_tlc
-from odb_core.verify.trace import ProtocolTrace, TraceReport, trace_model
+from odb_core.verify.trace import ProtocolTrace, TraceReport, scale_mismatch, trace_model
 
 # ---------------------------------------------------------------------------
 # Trace validation: a recorded run, replayed through the spec by TLC
@@ -23,24 +23,27 @@ _TRACE_DEFS = r"""NoVec == [offered |-> 0, final |-> FALSE, samples |-> <<>>, to
           loss_tokens |-> <<>>]
 \* y: for each step of a Receive, whether an optimizer window closed at it
 \* (its sync_gradients); yk: y was recorded (older traces lack it).
-Ev(a, r, i, c, s, y, yk, d) ==
-    [a |-> a, r |-> r, i |-> i, c |-> c, s |-> s, y |-> y, yk |-> yk, d |-> d]
-Obs(r, i) == Ev("Observe", r, i, NoVec, <<>>, <<>>, FALSE, FALSE)
-Exh(r) == Ev("Exhaust", r, 0, NoVec, <<>>, <<>>, FALSE, FALSE)
-Frm(r) == Ev("Form", r, 0, NoVec, <<>>, <<>>, FALSE, FALSE)
+\* g: for each step, its global <<samples, cost tokens, loss tokens>>; gk: recorded.
+Ev(a, r, i, c, s, y, yk, g, gk, d) ==
+    [a |-> a, r |-> r, i |-> i, c |-> c, s |-> s, y |-> y, yk |-> yk, g |-> g, gk |-> gk,
+     d |-> d]
+Obs(r, i) == Ev("Observe", r, i, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
+Exh(r) == Ev("Exhaust", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
+Frm(r) == Ev("Form", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
 Con(r, o, f, s, t, l) ==
     Ev("Contribute", r, 0,
        [offered |-> o, final |-> f, samples |-> s, tokens |-> t, loss_tokens |-> l],
-       <<>>, <<>>, FALSE, FALSE)
-Gat == Ev("AllGather", 0, 0, NoVec, <<>>, <<>>, FALSE, FALSE)
-Rcv(r, s, d) == Ev("Receive", r, 0, NoVec, s, <<>>, FALSE, d)
-RcvW(r, s, y, d) == Ev("Receive", r, 0, NoVec, s, y, TRUE, d)
+       <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
+Gat == Ev("AllGather", 0, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
+Rcv(r, s, d) == Ev("Receive", r, 0, NoVec, s, <<>>, FALSE, <<>>, FALSE, d)
+RcvW(r, s, y, d) == Ev("Receive", r, 0, NoVec, s, y, TRUE, <<>>, FALSE, d)
+RcvG(r, s, y, g, d) == Ev("Receive", r, 0, NoVec, s, y, TRUE, g, TRUE, d)
 """
 
 _TRACE_SPEC = r"""
 \* Receive: the recorded steps are the spec's, batch by batch (a pad is {}),
-\* the recorded window boundaries (when recorded) are the spec's, and the
-\* recorded end of epoch is the spec's.
+\* the recorded window boundaries and per-step global counts (when recorded)
+\* are the spec's, and the recorded end of epoch is the spec's.
 Ends(r) == {windows'[r][i].end : i \in DOMAIN windows'[r]}
 Emits(e) ==
     /\ steps'[e.r] = steps[e.r] + Len(e.s)
@@ -49,6 +52,9 @@ Emits(e) ==
     /\ e.yk =>
         /\ Len(e.y) = Len(e.s)
         /\ \A t \in 1 .. Len(e.y) : e.y[t] = (steps[e.r] + t \in Ends(e.r))
+    /\ e.gk =>
+        /\ Len(e.g) = Len(e.s)
+        /\ \A t \in 1 .. Len(e.g) : step_counts'[e.r][steps[e.r] + t] = e.g[t]
     /\ (phase'[e.r] = "done") = e.d
 
 TraceStep(e) ==
@@ -160,9 +166,13 @@ def _trace_log(
             seq, done = _tla_seq_of_sets(steps), tla_value(bool(e["done"]))
             if e.get("sync") is None:
                 literals.append(f"Rcv({r}, {seq}, {done})")
-            else:
+            elif e.get("global") is None:
                 sync = tla_value([bool(x) for x in e["sync"]])
                 literals.append(f"RcvW({r}, {seq}, {sync}, {done})")
+            else:
+                sync = tla_value([bool(x) for x in e["sync"]])
+                counts = tla_value([[int(x) for x in c] for c in e["global"]])
+                literals.append(f"RcvG({r}, {seq}, {sync}, {counts}, {done})")
         else:
             raise ConfigError(f"unknown trace action {name!r} (rank {r}, event {idx})")
     return events, literals
@@ -271,4 +281,10 @@ def validate_trace_tlc(trace: ProtocolTrace, *, timeout: float | None = 600) -> 
     """
     result = check_trace(trace, timeout=timeout)
     labels = [e.label for e in result.events]
+    if result.ok:
+        # TLC accepted the steps, window boundaries and global counts; the scales
+        # the loop received are a function of those (WindowBuffer).
+        wrong_scale = scale_mismatch(trace)
+        if wrong_scale:
+            return TraceReport(False, labels, wrong_scale, result.model, result.id_map)
     return TraceReport(result.ok, labels, result.reason, result.model, result.id_map)

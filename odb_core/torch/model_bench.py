@@ -1,0 +1,775 @@
+"""`odb bench --model SIZE`: train a real LlamaForCausalLM on W gloo ranks with DDP,
+one epoch per run, every batching strategy on the same data and the same init,
+interleaved (A, B, C, A, B, C, ...), medians over the repeats.
+
+Strategies (all under the same peak-token budget per step and rank):
+- `standard`: DataLoader(batch_size=B) + DistributedSampler, padded; B is the
+  largest fixed batch whose worst case (B x the longest possible sample) fits;
+- `gmt`: an offline oracle: a timed length-cache pass over the dataset (reported
+  apart), sort longest first, cut at the budget, deal the batches round-robin;
+- `odb-padded`, `odb-packed`: ODBDataLoader with the padded / packed cost model
+  (`pad_collate` / `pack_collate`, varlen attention);
+- `odb-ref`: the PyPI package `online-dynamic-batching` (import `odb`), only when
+  it is installed, with its README's settings (exact loss scaling, join).
+
+Every odb-core run must have equal steps on every rank and every id exactly once;
+the bench raises otherwise. The model and the run are CPU-sized by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import importlib.util
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+# (layers, hidden, intermediate, heads, kv heads, vocab)
+SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "llama-tiny": (2, 128, 256, 4, 2, 1024),
+    "llama-small": (4, 256, 688, 8, 4, 4096),
+    "llama-100m": (12, 768, 2048, 12, 4, 32000),
+}
+STRATEGIES = ("standard", "gmt", "odb-padded", "odb-packed", "odb-ref")
+ODB_STRATEGIES = ("odb-padded", "odb-packed")
+MIN_LEN = 16
+PROMPT_SHARE = 4  # the first len // 4 tokens are a masked prompt
+
+
+def odb_ref_missing() -> str | None:
+    """None if the comparator `online-dynamic-batching` is importable, else why not."""
+    try:
+        importlib.import_module("odb")
+    except Exception as exc:
+        return f"online-dynamic-batching not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def validate(params: dict[str, Any]) -> list[str]:
+    """Raise ValueError naming a bad option; returns the strategies to run."""
+    if params["model"] not in SIZES:
+        raise ValueError(f"unknown --model {params['model']!r}; expected one of {', '.join(SIZES)}")
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("--model needs transformers: pip install 'odb-core[hf]'")
+    if params["max_len"] < MIN_LEN:
+        raise ValueError(f"--max-len={params['max_len']} must be >= {MIN_LEN}")
+    if params["budget"] < params["max_len"] and params["oversize"] == "error":
+        raise ValueError(
+            f"--budget={params['budget']} is under the longest sample (--max-len="
+            f"{params['max_len']}): no batch could hold it; raise the budget, lower "
+            "--max-len, or pass --oversize solo|truncate"
+        )
+    if params["eval_samples"] < 1:
+        raise ValueError(f"--eval-samples={params['eval_samples']} must be >= 1")
+    unknown = [s for s in params["strategies"] if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(
+            f"unknown strategy {unknown[0]!r}; expected some of {', '.join(STRATEGIES)}"
+        )
+    chosen = [s for s in STRATEGIES if s in params["strategies"]]
+    if "odb-ref" in chosen and odb_ref_missing() is not None:
+        chosen.remove("odb-ref")
+    if not chosen:
+        raise ValueError("no strategy to run")
+    return chosen
+
+
+def lengths(n: int, max_len: int, seed: int) -> list[int]:
+    """Long-tailed (log-normal, median max_len / 8) lengths clipped to [16, max_len]."""
+    rng = random.Random(seed)
+    mu = math.log(max(MIN_LEN, max_len / 8))
+    return [max(MIN_LEN, min(max_len, int(rng.lognormvariate(mu, 1.0)))) for _ in range(n)]
+
+
+class LongTailText(Dataset[dict[str, Any]]):
+    """Map-style dataset; `__getitem__` does the preprocessing (token by token, a
+    tokeniser stand-in): a prompt of random words, then a response that follows a
+    per-sample rule a model can learn; labels mask the prompt."""
+
+    def __init__(self, n: int, max_len: int, vocab: int, seed: int) -> None:
+        self.lengths = lengths(n, max_len, seed)
+        self.vocab = vocab
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+
+        n = self.lengths[i]
+        rng = random.Random(self.seed * 1_000_003 + i)
+        words = self.vocab - 4
+        step = 1 + rng.randrange(7)
+        prompt = n // PROMPT_SHARE
+        ids = [1 + rng.randrange(3)]
+        for t in range(1, n):
+            prev = ids[-1]
+            ids.append(4 + rng.randrange(words) if t < prompt else 4 + (prev * 5 + step) % words)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        labels = input_ids.clone()
+        labels[:prompt] = -100
+        return {"input_ids": input_ids, "labels": labels, "idx": i}
+
+
+class BenchCollate:
+    """The library's collator, plus the batch's ids and its own collate time."""
+
+    def __init__(self, packed: bool) -> None:
+        self.packed = packed
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+
+        from odb_core.torch.collate import pack_collate, pad_collate
+
+        start = time.perf_counter()
+        core = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
+        out: dict[str, Any] = pack_collate(core) if self.packed else pad_collate(core)
+        out["bench_ids"] = torch.tensor([int(s["idx"]) for s in samples], dtype=torch.long)
+        out["bench_collate_s"] = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        return out
+
+
+def build_model(size: str, max_len: int, seed: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from odb_core.torch.collate import use_packed_attention
+
+    layers, hidden, inter, heads, kv, vocab = SIZES[size]
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=max(2048, max_len),
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    return use_packed_attention(model)  # SDPA for padded rows, per-sample SDPA for packed
+
+
+# ---- the parent process ----------------------------------------------------------
+
+
+def run_bench(params: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """Validate, start W rank processes, return rank 0's report (raises on failure)."""
+    import torch.multiprocessing as mp
+
+    from odb_core.torch.launch import free_port
+
+    strategies = validate(params)
+    params = {**params, "strategies": strategies}
+    with tempfile.TemporaryDirectory(prefix="odb-model-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        err = Path(tmp) / "error.txt"
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, params["ranks"], port, params, str(out), str(err), progress),
+            )
+            for r in range(params["ranks"])
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + params["timeout"]
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+            p.join()
+        if err.exists():
+            raise RuntimeError(f"odb bench --model failed: {err.read_text()}")
+        if hung or any(p.exitcode != 0 for p in procs) or not out.exists():
+            codes = [p.exitcode for p in procs]
+            raise RuntimeError(f"odb bench --model: ranks failed or timed out (exit codes {codes})")
+        result: dict[str, Any] = json.loads(out.read_text())
+    missing = odb_ref_missing()
+    if missing and "odb-ref" in params.get("requested", STRATEGIES):
+        result["notes"].append(f"odb-ref skipped: {missing}")
+    return result
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    params: dict[str, Any],
+    out: str,
+    err: str,
+    progress: bool,
+) -> None:
+    import torch.distributed as dist
+
+    from odb_core.torch.launch import init_local_gloo, release_child_resources
+
+    init_local_gloo(rank, world, port, timeout_s=300)
+    try:
+        result = run_rank(rank, world, params, progress)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    except BaseException as exc:
+        if rank == 0 or not Path(err).exists():
+            Path(err).write_text(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        dist.destroy_process_group()
+        release_child_resources()
+
+
+# ---- the rank processes ----------------------------------------------------------
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _Run:
+    """One strategy's epoch on one rank: per-step timeline and totals."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.pads = 0
+        self.samples = 0
+        self.real_tokens = 0
+        self.computed_tokens = 0
+        self.loss_sum = 0.0
+        self.loss_tokens = 0
+        self.wait = 0.0
+        self.collate = 0.0
+        self.peak_rss = 0.0
+        self.ids: list[int] = []
+        self.timeline: list[tuple[float, float, float, int, int, int, bool]] = []
+
+
+class _Batches:
+    """A batch sampler whose batches the oracle replaces every epoch (so its
+    DataLoader, and its persistent workers, are built once like every other)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(list(self.batches))
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _gmt_plan(lens: list[int], budget: int, world: int, seed: int) -> list[list[list[int]]]:
+    """Sort longest first, cut when n x max_len would pass the budget, shuffle the
+    batches (seeded), deal them round-robin; every rank's list of batches."""
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * lens[cur[0]] > budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    random.Random(seed).shuffle(batches)
+    return [batches[r::world] for r in range(world)]
+
+
+def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from odb_core.torch.loader import ODBDataLoader
+    from odb_core.torch.meta import causal_lm_loss, pop_step_meta
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    seed, budget, max_len = params["seed"], params["budget"], params["max_len"]
+    vocab = SIZES[params["model"]][5]
+    ds = LongTailText(params["samples"], max_len, vocab, seed)
+    held_out = LongTailText(params["eval_samples"], max_len, vocab, seed + 7919)
+    workers = params["workers"]
+    wkw: dict[str, Any] = {"num_workers": workers}
+    if workers > 0:
+        wkw.update(persistent_workers=True, multiprocessing_context="fork")
+    fixed_batch = max(1, budget // max_len)
+    model = build_model(params["model"], max_len, seed)
+    init_state = copy.deepcopy(model.state_dict())
+    ddp = DistributedDataParallel(model)
+    strategies: list[str] = params["strategies"]
+    odb_kw: dict[str, Any] = {
+        "token_budget": budget,
+        "shuffle": True,
+        "seed": seed,
+        "oversize": params["oversize"],
+        "peer_timeout": 300,
+        **wkw,
+    }
+    if params["buffer_size"]:
+        odb_kw["buffer_size"] = params["buffer_size"]
+    loaders: dict[str, Any] = {}
+    sampler: DistributedSampler[Any] = DistributedSampler(ds, shuffle=True, seed=seed)
+    if "standard" in strategies:
+        loaders["standard"] = DataLoader(
+            ds, batch_size=fixed_batch, sampler=sampler, collate_fn=BenchCollate(False), **wkw
+        )
+    if "odb-padded" in strategies:
+        loaders["odb-padded"] = ODBDataLoader(
+            ds, cost_model="padded", collate_fn=BenchCollate(False), **odb_kw
+        )
+    if "odb-packed" in strategies:
+        loaders["odb-packed"] = ODBDataLoader(
+            ds, cost_model="packed", collate_fn=BenchCollate(True), **odb_kw
+        )
+    gmt_batches = _Batches()
+    if "gmt" in strategies:
+        loaders["gmt"] = DataLoader(
+            ds, batch_sampler=gmt_batches, collate_fn=BenchCollate(False), **wkw
+        )
+    ref_sampler: DistributedSampler[Any] = DistributedSampler(ds, shuffle=True, seed=seed)
+    if "odb-ref" in strategies:
+        odb: Any = importlib.import_module("odb")
+        loaders["odb-ref"] = odb.ODBDataLoader(
+            ds,
+            token_budget=budget,
+            batch_size=1,
+            sampler=ref_sampler,
+            num_workers=max(1, workers),
+            prefetch_factor=64,
+            collate_fn=BenchCollate(False),
+            loss_scaling="exact",
+            join=True,
+        )
+
+    def epoch(name: str, rep: int) -> tuple[_Run, float, float, float]:
+        run = _Run()
+        precompute = 0.0
+        loader: Any
+        plan_pads = 0
+        if name == "gmt":
+            dist.barrier()
+            t0 = time.perf_counter()
+            mine = {i: len(ds[i]["input_ids"]) for i in range(rank, len(ds), world)}
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, mine)
+            lens = [0] * len(ds)
+            for part in gathered:
+                for i, n in part.items():
+                    lens[i] = n
+            plan = _gmt_plan(lens, budget, world, seed + rep)
+            took = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            precompute = float(took.item())
+            if any(not p for p in plan):
+                raise ValueError(
+                    f"gmt formed {sum(map(len, plan))} batches for {world} ranks: "
+                    "too few samples for this budget; raise --samples"
+                )
+            mine_batches = plan[rank]
+            plan_pads = max(len(p) for p in plan) - len(mine_batches)
+            gmt_batches.batches = mine_batches + mine_batches[:1] * plan_pads
+            loader = loaders["gmt"]
+        else:
+            loader = loaders[name]
+        sampler.set_epoch(rep)
+        ref_sampler.set_epoch(rep)
+        ddp.module.load_state_dict(init_state)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=params["lr"])
+        dist.barrier()
+        start = time.perf_counter()
+        join = ddp.join() if name == "odb-ref" else contextlib.nullcontext()
+        with join:
+            it = iter(loader)
+            real_steps = len(mine_batches) if name == "gmt" else -1
+            while True:
+                t_wait = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                t_got = time.perf_counter()
+                scale: float | None = None
+                meta = None
+                is_pad = False
+                if name in ODB_STRATEGIES:
+                    meta = pop_step_meta(batch)
+                    is_pad = meta.is_pad
+                elif name == "odb-ref":
+                    info = importlib.import_module("odb").pop_step_info(batch, loss_scaling="exact")
+                    scale = float(info.loss_scale)
+                elif name == "gmt":
+                    is_pad = run.steps >= real_steps
+                ids = batch.pop("bench_ids")
+                run.collate += float(batch.pop("bench_collate_s"))
+                labels = batch.pop("labels")
+                batch.pop("use_cache", None)
+                logits = ddp(**batch, use_cache=False).logits
+                if meta is not None:
+                    loss = causal_lm_loss(meta, logits, labels)
+                    tok = meta.local_loss_tokens
+                    ce = (
+                        0.0
+                        if meta.is_pad or tok == 0
+                        else (float(loss.detach()) * meta.window_loss_tokens / meta.world_size)
+                    )
+                else:
+                    ce_t = F.cross_entropy(
+                        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                        labels[:, 1:].reshape(-1),
+                        ignore_index=-100,
+                        reduction="sum",
+                    )
+                    tok = int((labels[:, 1:] != -100).sum())
+                    ce = float(ce_t.detach())
+                    loss = (
+                        ce_t
+                        / max(1, tok)
+                        * (0.0 if is_pad else (scale if scale is not None else 1.0))
+                    )
+                loss.backward()  # type: ignore[no-untyped-call]
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                t_done = time.perf_counter()
+                run.steps += 1
+                real = (
+                    int(batch["attention_mask"].sum())
+                    if "attention_mask" in batch
+                    else int(batch["input_ids"].numel())
+                )
+                computed = int(batch["input_ids"].numel())
+                if is_pad:
+                    run.pads += 1
+                else:
+                    run.samples += len(ids)
+                    run.ids.extend(int(i) for i in ids)
+                    run.real_tokens += real
+                    run.computed_tokens += computed
+                    run.loss_sum += ce
+                    run.loss_tokens += tok
+                run.wait += t_got - t_wait
+                run.peak_rss = max(run.peak_rss, _rss_mb())
+                run.timeline.append(
+                    (
+                        t_wait - start,
+                        t_got - t_wait,
+                        t_done - t_got,
+                        real,
+                        computed,
+                        len(ids),
+                        is_pad,
+                    )
+                )
+        wall = time.perf_counter() - start
+        if name == "odb-ref":  # its iterator keeps its worker pids registered until shut down
+            getattr(it, "_shutdown_workers", lambda: None)()
+        del it
+        allgather = 0.0
+        if name in ODB_STRATEGIES:
+            allgather = float(loader.epoch_stats.collective_stall_s)
+        return run, wall, precompute, allgather
+
+    def held_out_loss() -> float:
+        from odb_core.torch.collate import pack_collate
+
+        ddp.module.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        mine = list(range(rank, len(held_out), world))
+        chunk: list[dict[str, Any]] = []
+        used = 0
+        with torch.no_grad():
+            for i in [*mine, None]:
+                s = held_out[i] if i is not None else None
+                if s is not None and used + len(s["input_ids"]) <= max(budget, max_len):
+                    chunk.append(s)
+                    used += len(s["input_ids"])
+                    continue
+                if chunk:
+                    b = pack_collate(
+                        [{"input_ids": c["input_ids"], "labels": c["labels"]} for c in chunk]
+                    )
+                    labels = b.pop("labels")
+                    b.pop("use_cache")
+                    logits = ddp.module(**b, use_cache=False).logits
+                    total[0] += F.cross_entropy(
+                        logits[0, :-1].float(), labels[0, 1:], ignore_index=-100, reduction="sum"
+                    ).double()
+                    total[1] += int((labels[0, 1:] != -100).sum())
+                chunk = [s] if s is not None else []
+                used = len(s["input_ids"]) if s is not None else 0
+        dist.all_reduce(total)
+        ddp.module.train()
+        return float(total[0] / total[1].clamp(min=1))
+
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
+    timelines: dict[str, Any] = {}
+    errors: list[str] = []
+    for rep in range(params["repeats"]):
+        for name in strategies:
+            run, wall, precompute, allgather = epoch(name, rep)
+            eval_loss = held_out_loss()
+            mine = {
+                "steps": run.steps,
+                "pads": run.pads,
+                "samples": run.samples,
+                "real_tokens": run.real_tokens,
+                "computed_tokens": run.computed_tokens,
+                "loss_sum": run.loss_sum,
+                "loss_tokens": run.loss_tokens,
+                "wait": run.wait,
+                "collate": run.collate,
+                "allgather": allgather,
+                "wall": wall,
+                "rss": run.peak_rss,
+                "ids": run.ids,
+            }
+            per_rank: list[Any] = [None] * world
+            dist.all_gather_object(per_rank, mine)
+            steps = [r["steps"] for r in per_rank]
+            ids = sorted(i for r in per_rank for i in r["ids"])
+            exactly_once = ids == list(range(len(ds)))
+            if name in ODB_STRATEGIES and (len(set(steps)) != 1 or not exactly_once):
+                dup = len(ids) - len(set(ids))
+                lost = len(ds) - len(set(ids))
+                errors.append(
+                    f"{name} repeat {rep}: steps per rank {steps}, {dup} duplicated and "
+                    f"{lost} lost ids"
+                )
+            summary = _summarise(per_rank, precompute, eval_loss, len(ds))
+            summary["equal_steps"] = len(set(steps)) == 1
+            summary["exactly_once"] = exactly_once
+            runs[name].append(summary)
+            if rep == params["repeats"] - 1:
+                timelines[name] = run.timeline if rank == 0 else None
+            if rank == 0 and progress:
+                print(
+                    f"[odb bench] repeat {rep + 1}/{params['repeats']} {name:10} "
+                    f"{summary['wall_s']:7.1f} s  {summary['samples_per_s']:7.2f} samples/s  "
+                    f"steps/rank {steps}  padding {100 * summary['padding']:.1f}%  "
+                    f"held-out loss {eval_loss:.4f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if errors:
+                raise RuntimeError("; ".join(errors))
+    return _report(params, runs, timelines, fixed_batch)
+
+
+def _summarise(
+    per_rank: list[dict[str, Any]], precompute: float, eval_loss: float, n: int
+) -> dict[str, Any]:
+    wall = max(r["wall"] for r in per_rank)
+    samples = sum(r["samples"] for r in per_rank)
+    real = sum(r["real_tokens"] for r in per_rank)
+    computed = sum(r["computed_tokens"] for r in per_rank)
+    return {
+        "wall_s": wall,
+        "precompute_s": precompute,
+        "samples": samples,
+        "samples_per_s": samples / wall,
+        "samples_per_s_incl_precompute": samples / (wall + precompute),
+        "tokens_per_s": real / wall,
+        "padding": 1.0 - real / max(1, computed),
+        "steps_per_rank": [r["steps"] for r in per_rank],
+        "pad_steps": sum(r["pads"] for r in per_rank),
+        "peak_rss_mb": max(r["rss"] for r in per_rank),
+        "data_wait_s": max(r["wait"] for r in per_rank),
+        "collate_s": max(r["collate"] for r in per_rank),
+        "allgather_stall_s": max(r["allgather"] for r in per_rank),
+        "train_loss_per_token": sum(r["loss_sum"] for r in per_rank)
+        / max(1, sum(r["loss_tokens"] for r in per_rank)),
+        "held_out_loss": eval_loss,
+        "unique_ids": len({i for r in per_rank for i in r["ids"]}),
+        "dataset": n,
+    }
+
+
+MEDIAN_KEYS = (
+    "wall_s",
+    "precompute_s",
+    "samples_per_s",
+    "samples_per_s_incl_precompute",
+    "tokens_per_s",
+    "padding",
+    "pad_steps",
+    "peak_rss_mb",
+    "data_wait_s",
+    "collate_s",
+    "allgather_stall_s",
+    "train_loss_per_token",
+    "held_out_loss",
+)
+
+
+def _paired(runs: dict[str, list[dict[str, Any]]], a: str, b: str, key_b: str) -> float | None:
+    if a not in runs or b not in runs:
+        return None
+    ratios = [x["samples_per_s"] / y[key_b] for x, y in zip(runs[a], runs[b], strict=True)]
+    return float(statistics.median(ratios))
+
+
+def _report(
+    params: dict[str, Any],
+    runs: dict[str, list[dict[str, Any]]],
+    timelines: dict[str, Any],
+    fixed_batch: int,
+) -> dict[str, Any]:
+    strategies: dict[str, Any] = {}
+    for name, rs in runs.items():
+        row: dict[str, Any] = {k: float(statistics.median(r[k] for r in rs)) for k in MEDIAN_KEYS}
+        row["steps_per_rank"] = rs[-1]["steps_per_rank"]
+        row["equal_steps"] = all(r["equal_steps"] for r in rs)
+        row["exactly_once"] = all(r["exactly_once"] for r in rs)
+        row["runs"] = rs
+        strategies[name] = row
+    ratios: dict[str, float | None] = {}
+    for odb in ODB_STRATEGIES:
+        ratios[f"{odb}/standard"] = _paired(runs, odb, "standard", "samples_per_s")
+        ratios[f"{odb}/gmt"] = _paired(runs, odb, "gmt", "samples_per_s")
+        ratios[f"{odb}/gmt_incl_precompute"] = _paired(
+            runs, odb, "gmt", "samples_per_s_incl_precompute"
+        )
+        ratios[f"{odb}/odb-ref"] = _paired(runs, odb, "odb-ref", "samples_per_s")
+    if "standard" in strategies:
+        base = strategies["standard"]["held_out_loss"]
+        for row in strategies.values():
+            row["held_out_vs_standard"] = row["held_out_loss"] / base - 1.0
+    ok = all(
+        strategies[s]["equal_steps"] and strategies[s]["exactly_once"]
+        for s in ODB_STRATEGIES
+        if s in strategies
+    )
+    return {
+        "ok": ok,
+        "params": {**params, "fixed_batch": fixed_batch},
+        "strategies": strategies,
+        "ratios": {k: v for k, v in ratios.items() if v is not None},
+        "timeline_rank0_last_repeat": timelines,
+        "timeline_fields": [
+            "t_s",
+            "wait_s",
+            "compute_s",
+            "real_tokens",
+            "computed_tokens",
+            "samples",
+            "is_pad",
+        ],
+        "notes": [],
+    }
+
+
+# ---- output ----------------------------------------------------------------------
+
+
+def iter_table(result: dict[str, Any]) -> Iterator[str]:
+    p = result["params"]
+    yield (
+        f"odb bench --model {p['model']}: {p['ranks']} gloo ranks (DDP, CPU), {p['samples']} "
+        f"samples up to {p['max_len']} tokens, budget {p['budget']} tokens/rank/step "
+        f"(standard batch {p['fixed_batch']}), {p['repeats']} interleaved repeats (medians)"
+    )
+    yield (
+        "| strategy | samples/s | tokens/s | padding | steps/rank | pad steps | data wait s "
+        "| collate s | all-gather s | peak RSS MB | train loss/token | held-out loss |"
+    )
+    yield "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    for name, r in result["strategies"].items():
+        label = name
+        if name == "gmt":
+            label = f"gmt (+{r['precompute_s']:.2f} s length pass)"
+        steps = r["steps_per_rank"]
+        steps_s = str(steps[0]) if len(set(steps)) == 1 else "/".join(map(str, steps))
+        yield (
+            f"| {label} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
+            f"{100 * r['padding']:.1f}% | {steps_s} | {r['pad_steps']:.0f} | "
+            f"{r['data_wait_s']:.2f} | {r['collate_s']:.2f} | {r['allgather_stall_s']:.2f} | "
+            f"{r['peak_rss_mb']:.0f} | {r['train_loss_per_token']:.4f} | {r['held_out_loss']:.4f} |"
+        )
+    yield ""
+    yield "| ratio (paired medians of samples/s) | value |"
+    yield "|---|---|"
+    for k, v in result["ratios"].items():
+        yield f"| {k} | {v:.2f}x |"
+    for note in result["notes"]:
+        yield f"note: {note}"
+    yield f"equal steps and exactly-once ids in every odb-core run: {result['ok']}"
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["strategies"])
+    rows = result["strategies"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 2.2]})
+    vals = [rows[n]["samples_per_s"] for n in names]
+    bars = ax1.bar(names, vals, color=["#999", "#6a9", "#36c", "#139", "#c63"][: len(names)])
+    if "gmt" in rows:
+        i = names.index("gmt")
+        ax1.bar(
+            [names[i]],
+            [rows["gmt"]["samples_per_s_incl_precompute"]],
+            fill=False,
+            hatch="//",
+            edgecolor="k",
+            label="gmt incl. length pass",
+        )
+        ax1.legend(fontsize=8)
+    for b, v in zip(bars, vals, strict=True):
+        ax1.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+    ax1.set_ylabel("emitted samples/s (median)")
+    ax1.set_title("throughput", fontsize=10)
+    ax1.tick_params(axis="x", labelrotation=30, labelsize=8)
+    cmap = plt.get_cmap("RdYlGn_r")
+    timelines = result["timeline_rank0_last_repeat"]
+    for y, n in enumerate(names):
+        for t, wait, comp, real, computed, _, pad in timelines.get(n) or []:
+            pad_share = 1.0 - real / max(1, computed)
+            color = "#ccc" if pad else cmap(pad_share)
+            ax2.broken_barh(
+                [(t + wait, comp)], (y - 0.35, 0.7), facecolors=color, edgecolor="k", linewidth=0.2
+            )
+            if wait > 0.005:
+                ax2.broken_barh([(t, wait)], (y - 0.35, 0.7), facecolors="#000")
+    ax2.set_yticks(range(len(names)), names, fontsize=8)
+    ax2.set_xlabel(
+        "seconds into the epoch (rank 0, last repeat)\ncolour: the step's padding share "
+        "(green 0%, red 100%); black: data wait; grey: pad step",
+        fontsize=8,
+    )
+    ax2.set_title("per-step timeline", fontsize=10)
+    fig.suptitle(
+        f"odb bench --model {result['params']['model']} (measured on CPU, "
+        f"{result['params']['ranks']} gloo ranks)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,62 @@
+"""Run a function on W real gloo ranks (spawned processes on 127.0.0.1) and collect
+what each returns; `target` is "module:function", the function
+`(rank, world, spec) -> dict` (JSON-serialisable). A rank that raises reports
+`{"ok": False, "error": ...}`; one that writes nothing (killed, hung) reports None."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources
+
+
+def _entry(rank: int, world: int, port: int, target: str, spec: dict[str, Any], out: str) -> None:
+    init_local_gloo(rank, world, port, timeout_s=60)
+    module, name = target.split(":")
+    try:
+        result = {"ok": True, **getattr(importlib.import_module(module), name)(rank, world, spec)}
+    except BaseException as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    release_child_resources()
+    os._exit(0)  # a peer may be gone: skip destroy_process_group's handshake
+
+
+def launch(
+    target: str, world: int, spec: dict[str, Any], out: Path, timeout: float = 120
+) -> list[dict[str, Any] | None]:
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, target, spec, str(out)))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results: list[dict[str, Any] | None] = []
+    for r in range(world):
+        f = out / f"rank{r}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else None)
+    return results
+
+
+def ok(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    for r, res in enumerate(results):
+        assert res is not None, f"rank {r} wrote no result (killed or hung)"
+        assert res["ok"], f"rank {r} failed: {res['error']}"
+    return [r for r in results if r is not None]
