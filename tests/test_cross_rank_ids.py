@@ -176,9 +176,9 @@ def test_the_check_is_one_collective_per_epoch_not_per_step() -> None:
     calls: list[tuple[int, ...]] = []
     exchange = dl.transport.exchange
 
-    def counted(tag: tuple[int, ...], ids: Any) -> list[list[int]]:
+    def counted(tag: tuple[int, ...], ids: Any, what: str = "") -> list[list[int]]:
         calls.append(tag)
-        return exchange(tag, ids)
+        return exchange(tag, ids, what)
 
     dl.transport.exchange = counted  # type: ignore[method-assign]
     steps = sum(1 for _ in dl)

@@ -226,7 +226,9 @@ class HubTransport:
     def start(self, tag: tuple[int, ...], vector: Sequence[int]) -> _Done:
         return _Done(self.hub.gather(("round", *tag), self.rank, list(vector)))
 
-    def exchange(self, tag: tuple[int, ...], ids: Sequence[int]) -> list[list[int]]:
+    def exchange(
+        self, tag: tuple[int, ...], ids: Sequence[int], what: str = "an exchange"
+    ) -> list[list[int]]:
         return self.hub.gather(("ledger", *tag), self.rank, list(ids))
 
 

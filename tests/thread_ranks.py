@@ -66,7 +66,9 @@ class ThreadTransport:
         self.hub.put(key, self.rank, list(vector))
         return _Gathering(self.hub, key)
 
-    def exchange(self, tag: tuple[int, ...], ids: Sequence[int]) -> list[list[int]]:
+    def exchange(
+        self, tag: tuple[int, ...], ids: Sequence[int], what: str = "an exchange"
+    ) -> list[list[int]]:
         key = ("ledger", *tag)
         self.hub.put(key, self.rank, list(ids))
         return self.hub.wait(key)

@@ -686,7 +686,9 @@ class ODBDataLoader:
         claim = ResumeClaim.of(self._resume, refused=self._refused)
         try:
             rows = self.transport.exchange(
-                (self._digest, _RESUME_TAG, self._iteration), claim.to_vector()
+                (self._digest, _RESUME_TAG, self._iteration),
+                claim.to_vector(),
+                "the resume check of the first iteration",
             )
             check_claims(rows, self.rank)
         except BaseException:

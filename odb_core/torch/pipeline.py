@@ -571,7 +571,11 @@ class EpochPipeline:
         if self.s.machine.config.mode is not Mode.QUOTA:
             unemitted = ()
         mine = sorted([*self._emitted_ids, *self._skipped_ids, *unemitted])
-        check_unique(self.s.transport.exchange((*self.s.tag, round_, _IDS_TAG), mine))
+        check_unique(
+            self.s.transport.exchange(
+                (*self.s.tag, round_, _IDS_TAG), mine, "the cross-rank id check at the close"
+            )
+        )
 
     def _exchange(self, mine: tuple[int, ...], round_: int) -> Ledgers:
         m = self.s.machine

@@ -49,7 +49,9 @@ class Transport(Protocol):
 
     def start(self, tag: tuple[int, ...], vector: Sequence[int]) -> Gathering: ...
 
-    def exchange(self, tag: tuple[int, ...], ids: Sequence[int]) -> list[list[int]]: ...
+    def exchange(
+        self, tag: tuple[int, ...], ids: Sequence[int], what: str = "an exchange"
+    ) -> list[list[int]]: ...
 
 
 class _Ready:
@@ -72,7 +74,9 @@ class LocalTransport:
     def start(self, tag: tuple[int, ...], vector: Sequence[int]) -> Gathering:
         return _Ready([list(vector)])
 
-    def exchange(self, tag: tuple[int, ...], ids: Sequence[int]) -> list[list[int]]:
+    def exchange(
+        self, tag: tuple[int, ...], ids: Sequence[int], what: str = "an exchange"
+    ) -> list[list[int]]:
         return [list(ids)]
 
 
@@ -132,15 +136,21 @@ class GlooTransport:
         assert work is not None
         return _GlooGathering(self, work, out, tag)
 
-    def exchange(self, tag: tuple[int, ...], ids: Sequence[int]) -> list[list[int]]:
-        """Every rank's ledger ids, in rank order. One all_gather_object on the gloo
-        group, whose timeout is peer_timeout."""
+    def exchange(
+        self,
+        tag: tuple[int, ...],
+        ids: Sequence[int],
+        what: str = "the ledger exchange at the close of the epoch",
+    ) -> list[list[int]]:
+        """Every rank's ids (the ledger, the ids held, a resume claim), in rank order.
+        One all_gather_object on the gloo group, whose timeout is peer_timeout;
+        `what` names the exchange in a peer error."""
         self.connect()
         out: list[object] = [None] * self.world_size
         try:
             dist.all_gather_object(out, (tag, list(ids)), group=self.group)
         except RuntimeError as exc:
-            raise self.peer_error(exc, "no ledger exchange at the close of the epoch") from exc
+            raise self.peer_error(exc, f"{what} did not complete") from exc
         rows: list[list[int]] = []
         for peer, got in enumerate(out):
             if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], list)):
