@@ -103,3 +103,23 @@ def test_oversize_sample_forms_a_flagged_solo_batch() -> None:
 def test_empty_window(kind: FormerKind) -> None:
     r = FORMERS[kind]([], Budget(10), PackedTokens(), False)
     assert r.batches == [] and r.leftovers == []
+
+
+def _ids(result: object) -> list[list[int]]:
+    return [list(b.ids) for b in result.batches]  # type: ignore[attr-defined]
+
+
+def test_best_fit_breaks_a_tie_towards_the_first_batch() -> None:
+    # 6 and 6 open two batches; 3 leaves both equally full and joins the first.
+    window = [Sample(0, 6), Sample(1, 6), Sample(2, 3)]
+    r = FORMERS[FormerKind.BEST_FIT_DECREASING](window, Budget(10), PackedTokens(), True)
+    assert _ids(r) == [[0, 2], [1]]
+
+
+def test_best_fit_returns_the_least_filled_of_two_batches_as_leftovers() -> None:
+    window = [Sample(0, 7), Sample(1, 5)]
+    r = FORMERS[FormerKind.BEST_FIT_DECREASING](window, Budget(10), PackedTokens(), False)
+    assert _ids(r) == [[0]]
+    assert [s.id for s in r.leftovers] == [1]
+    flushed = FORMERS[FormerKind.BEST_FIT_DECREASING](window, Budget(10), PackedTokens(), True)
+    assert _ids(flushed) == [[0], [1]] and flushed.leftovers == []

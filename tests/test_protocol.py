@@ -53,6 +53,25 @@ def test_bad_cost_is_rejected(tokens: object, match: str) -> None:
         make_sample(3, tokens)
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((3, -1), "sample 3: tokens=-1 is negative"),
+        ((3, 5, -2), "sample 3: visual_tokens=-2 is negative"),
+        ((3, 5, 0, 1.5), "sample 3: patches=1.5 is not an integer token count"),
+        ((3, 5, 0, 0, -1), "sample 3: loss_tokens=-1 is negative"),
+        (("x", 5), "sample id 'x' is not an integer"),
+        ((2.5, 5), "sample id 2.5 is not an integer"),
+    ],
+)
+def test_a_bad_sample_error_names_the_sample_the_field_and_the_value(
+    args: tuple[object, ...], message: str
+) -> None:
+    with pytest.raises(SampleError) as info:
+        make_sample(*args)
+    assert str(info.value) == message
+
+
 def test_integral_float_and_numpy_costs_are_accepted() -> None:
     import numpy as np
 
