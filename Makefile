@@ -18,8 +18,8 @@ demo: $(STAMP)
 	$(VENV)/bin/odb demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check odb_core simulator tests benchmarks
-	$(VENV)/bin/ruff format --check odb_core simulator tests benchmarks
+	$(VENV)/bin/ruff check odb_core simulator tests benchmarks tools
+	$(VENV)/bin/ruff format --check odb_core simulator tests benchmarks tools
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy odb_core
@@ -43,9 +43,7 @@ MUTANTS ?=
 mutants: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[mutants]'
 	$(VENV)/bin/mutmut run --max-children $(MUTANT_JOBS) $(MUTANTS)
-	$(VENV)/bin/mutmut export-cicd-stats
-	$(VENV)/bin/mutmut results
-	$(PY) -c 'import json; s = json.load(open("mutants/mutmut-cicd-stats.json")); k = s["killed"] + s["timeout"]; n = k + s["survived"]; print("mutation score: %d of %d mutants killed = %.1f%% (%d without a covering test)" % (k, n, 100.0 * k / max(n, 1), s["no_tests"]))'
+	$(PY) tools/mutation_score.py --survivors
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants

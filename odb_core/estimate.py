@@ -5,7 +5,9 @@ sizes an LR schedule or a progress bar before the epoch needs an estimate. It
 is made by the core itself: the rank machine (world size 1, the same budget,
 cost model, former and window) forms batches from bootstrap draws of a small
 sample of measured costs, for each rank's shard size; in join mode the epoch
-runs as many steps as its busiest rank has batches. Every rank computes it from
+runs as many steps as its busiest rank has batches, in quota mode until the
+first rank runs dry or, step by step in each rank's simulated order, the ranks
+together have emitted the quota. Every rank computes it from
 the same inputs, so every rank gets the same figure.
 
 After an epoch has run, its realised count is the better guide: `update`
@@ -45,28 +47,60 @@ class StepsEstimate(NamedTuple):
     basis: str
 
 
-def _batches(config: ProtocolConfig, costs: Sequence[Sample], n: int, rng: random.Random) -> float:
-    """Batches one rank forms from `n` samples drawn from `costs` (scaled past
-    SIMULATED_SAMPLES)."""
+class _RankProfile(NamedTuple):
+    """One rank's simulated epoch alone: its batches, and the samples it has
+    emitted after each of them, both scaled to the rank's shard size."""
+
+    batches: float
+    cumulative: tuple[int, ...]  # samples after batch 1, 2, ... of the simulation
+    scale: float  # shard size over simulated samples
+
+    def emitted_after(self, steps: float) -> float:
+        if not self.cumulative:
+            return 0.0
+        k = min(len(self.cumulative), int(steps / self.scale))
+        return self.scale * (self.cumulative[k - 1] if k > 0 else 0)
+
+
+def _profile(
+    config: ProtocolConfig, costs: Sequence[Sample], n: int, rng: random.Random
+) -> _RankProfile:
+    """Run one rank alone over `n` samples drawn from `costs` (scaled past
+    SIMULATED_SAMPLES), emitting every sample."""
     if n == 0:
-        return 0.0
+        return _RankProfile(0.0, (), 1.0)
     m = min(n, SIMULATED_SAMPLES)
     draws = [costs[rng.randrange(len(costs))] for _ in range(m)]
-    single = replace(
-        config,
-        world_size=1,
-        mode=Mode.JOIN,
-        quota=None,
-        grad_accum_steps=None,
-        tokens_per_update=None,
-        deterministic=True,
-    )
+    # Optimizer windows and `deterministic` do not change what the former forms,
+    # so they are kept; a pass's carried ids go with quota mode (a join config
+    # refuses them).
+    single = replace(config, world_size=1, mode=Mode.JOIN, quota=None, carried=frozenset())
     machine = RankMachine(0, single)
     source = iter(draws[i]._replace(id=i) for i in range(m))
+    cumulative: list[int] = []
     while machine.phase.value != "done":
         contribution = machine.fill(lambda: next(source, None))
-        machine.all_gather([contribution])
-    return machine.steps * n / m
+        for step in machine.all_gather([contribution]).steps:
+            cumulative.append((cumulative[-1] if cumulative else 0) + step.local_samples)
+    return _RankProfile(machine.steps * n / m, tuple(cumulative), n / m)
+
+
+def _quota_steps(profiles: Sequence[_RankProfile], quota: int) -> float:
+    """The first step after which the ranks together have emitted `quota` samples:
+    each step every rank emits its next batch, so the order the former emits in
+    (long samples first from a sorted window) counts, not only the mean batch."""
+    last = max(p.batches for p in profiles)
+
+    def reached(step: float) -> bool:
+        return sum(p.emitted_after(step) for p in profiles) >= quota
+
+    if not reached(last):
+        return last
+    lo, hi = 0, math.ceil(last)  # not reached at lo, reached at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if reached(mid) else (mid, hi)
+    return float(hi)
 
 
 def estimate_epoch_steps(
@@ -96,15 +130,15 @@ def estimate_epoch_steps(
     # of that maximum, which `upper`'s margin covers).
     simulated = shard_sizes[:MAX_SIMULATED_RANKS]
     for _ in range(replicates):
-        counts = [_batches(config, costs, n, rng) for n in simulated]
-        per_rank = [counts[r % len(counts)] for r in range(len(shard_sizes))]
+        runs = [_profile(config, costs, n, rng) for n in simulated]
+        profiles = [runs[r % len(runs)] for r in range(len(shard_sizes))]
+        per_rank = [p.batches for p in profiles]
         if config.mode is Mode.JOIN:
             steps = max(per_rank)
         else:
             steps = min(per_rank)
             if config.quota is not None:
-                share = config.quota / max(1, sum(shard_sizes))
-                steps = min(steps, max(per_rank) * share)
+                steps = min(steps, _quota_steps(profiles, config.quota))
         totals.append(steps)
     central = min(bound, max(1, math.ceil(statistics.median(totals))))
     upper = min(bound, math.ceil(max(totals) * (1 + MARGIN)) + 1)

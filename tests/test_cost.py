@@ -62,3 +62,35 @@ def re_escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_attention_alpha_zero_is_packed_tokens() -> None:
+    stats = BatchStats.of(BATCH)
+    assert AttentionAware(0.0).cost(stats) == PackedTokens().cost(stats)
+    assert AttentionAware(0).cost(stats) == stats.sum_len
+
+
+@pytest.mark.parametrize("bad", [-0.5, -1, math.nan, math.inf, "2", None])
+def test_bad_visual_weight_names_the_value(bad: object) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=re_escape(f"multimodal visual_weight={bad!r} must be a finite number >= 0"),
+    ):
+        Multimodal(visual_weight=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("weight", [0, 0.0, 0.5, 1, 3.0])
+def test_visual_weights_from_zero_up_are_accepted(weight: float) -> None:
+    stats = BatchStats.of(BATCH)
+    assert (
+        Multimodal(visual_weight=weight).cost(stats) == stats.sum_text + weight * stats.sum_visual
+    )
+
+
+def test_default_window_is_larger_under_padded_cost() -> None:
+    from odb_core.config import DEFAULT_BUFFER_SIZE, PADDED_BUFFER_SIZE, default_buffer_size
+
+    assert (DEFAULT_BUFFER_SIZE, PADDED_BUFFER_SIZE) == (64, 256)
+    assert default_buffer_size(PaddedTokens()) == default_buffer_size("padded") == 256
+    for other in (PackedTokens(), AttentionAware(), Multimodal(), "packed", "attention"):
+        assert default_buffer_size(other) == 64

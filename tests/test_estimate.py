@@ -128,3 +128,159 @@ def test_loader_length_is_the_upper_estimate_and_epochs_are_recorded() -> None:
 
     with pytest.raises(TypeError, match="no length estimate"):
         len(ODBDataLoader(Stream(), token_budget=64))
+
+
+def test_an_empty_shard_forms_no_batches_and_one_sample_one() -> None:
+    from odb_core.estimate import _profile
+
+    config = ProtocolConfig(world_size=2, budget=Budget(4096))
+    costs = long_tail(16, seed=5)
+    assert _profile(config, costs, 0, random.Random(0)).batches == 0.0
+    assert _profile(config, costs, 1, random.Random(0)) == (1.0, (1,), 1.0)
+
+
+def test_the_per_rank_count_is_a_join_epoch_of_one_rank_whatever_the_config() -> None:
+    """Each rank's batches are counted as if it ran alone and emitted every sample:
+    quota mode's early close, optimizer windows and arrival order are the epoch's
+    business (taken in `estimate_epoch_steps`), not the former's."""
+    from odb_core.estimate import _profile
+
+    costs = long_tail(64, seed=6)
+    base = ProtocolConfig(world_size=2, budget=Budget(4096), buffer_size=8, max_steps_per_round=2)
+    want = _profile(base, costs, 300, random.Random(3))
+    for other in (
+        ProtocolConfig(
+            world_size=2, budget=Budget(4096), buffer_size=8, max_steps_per_round=2, mode=Mode.QUOTA
+        ),
+        ProtocolConfig(
+            world_size=2,
+            budget=Budget(4096),
+            buffer_size=8,
+            max_steps_per_round=2,
+            mode=Mode.QUOTA,
+            quota=50,
+        ),
+        ProtocolConfig(
+            world_size=2,
+            budget=Budget(4096),
+            buffer_size=8,
+            max_steps_per_round=2,
+            grad_accum_steps=3,
+        ),
+        ProtocolConfig(
+            world_size=2,
+            budget=Budget(4096),
+            buffer_size=8,
+            max_steps_per_round=2,
+            tokens_per_update=999,
+        ),
+    ):
+        assert _profile(other, costs, 300, random.Random(3)) == want, other
+
+
+def test_update_takes_the_median_and_a_margin_over_the_largest_epoch() -> None:
+    first = StepsEstimate(10, 20, "bootstrap")
+    later = update(first, [100, 80, 90])
+    # 100 * 1.05 = 105, + 1
+    assert later == StepsEstimate(90, 106, "median of 3 finished epoch(s); upper with margin")
+    # never below what was there
+    assert update(StepsEstimate(10, 500, "b"), [100]).upper == 500
+
+
+def test_a_quota_pass_with_carried_ids_is_estimated() -> None:
+    sample = long_tail(64, seed=7)
+    carried = ProtocolConfig(
+        world_size=2, budget=Budget(4096), mode=Mode.QUOTA, quota=100, carried=frozenset({1, 2})
+    )
+    plain = ProtocolConfig(world_size=2, budget=Budget(4096), mode=Mode.QUOTA, quota=100)
+    assert estimate_epoch_steps(carried, sample, [200, 200]) == estimate_epoch_steps(
+        plain, sample, [200, 200]
+    )
+
+
+def test_a_quota_epoch_is_estimated_from_its_share_of_the_busiest_rank() -> None:
+    """With a quota the epoch closes at the first step after which Q samples are
+    emitted; the former emits a sorted window's long samples first, so the early
+    steps hold fewer samples than the mean, and the estimate follows each rank's
+    simulated order (a mean-based share was 20% low here, its upper below the run)."""
+    data = long_tail(1200, seed=8)
+    sample = random.Random(2).sample(data, 256)
+    sizes = [600, 600]
+    for quota in (300, 600):
+        config = ProtocolConfig(world_size=2, budget=Budget(4096), mode=Mode.QUOTA, quota=quota)
+        est = estimate_epoch_steps(config, sample, sizes)
+        real = realised_steps(config, data, seed=0)
+        assert abs(est.steps - real) / real <= 0.15, (quota, est, real)
+        assert est.upper >= real, (quota, est, real)
+    full = ProtocolConfig(world_size=2, budget=Budget(4096), mode=Mode.QUOTA, quota=1200)
+    assert estimate_epoch_steps(full, sample, sizes) == estimate_epoch_steps(
+        ProtocolConfig(world_size=2, budget=Budget(4096), mode=Mode.QUOTA), sample, sizes
+    )
+
+
+def test_defaults_empty_shards_and_one_replicate() -> None:
+    config = ProtocolConfig(world_size=2, budget=Budget(2048))
+    sample = long_tail(64, seed=9)
+    default = estimate_epoch_steps(config, sample, [300, 290])
+    assert default == estimate_epoch_steps(config, sample, [300, 290], replicates=5, seed=0)
+    assert (
+        default.basis == "5 simulations of the former on bootstrap draws from 64 measured samples"
+    )
+    assert estimate_epoch_steps(config, sample, [0, 40]).steps >= 1
+    one = estimate_epoch_steps(config, sample, [300, 290], replicates=1)
+    assert one.basis.startswith("1 simulations")
+    # a bound of one step is still simulated, not taken as the bound
+    assert estimate_epoch_steps(config, sample, [1, 1]) == StepsEstimate(
+        1, 1, "5 simulations of the former on bootstrap draws from 64 measured samples"
+    )
+    none = estimate_epoch_steps(config, [], [3, 2])
+    assert none == StepsEstimate(3, 3, "the proven bound (no cost sample)")
+
+
+def test_equal_costs_give_exact_figures() -> None:
+    # 100-token samples under a 1000-token packed budget: 10 per batch, no noise
+    config = ProtocolConfig(world_size=2, budget=Budget(1000), buffer_size=20)
+    costs = [Sample(i, 100) for i in range(8)]
+    est = estimate_epoch_steps(config, costs, [1000, 990], replicates=1)
+    assert (est.steps, est.upper) == (100, 106)  # ceil(100 * 1.05) + 1
+    quota = ProtocolConfig(
+        world_size=2, budget=Budget(1000), buffer_size=20, mode=Mode.QUOTA, quota=300
+    )
+    assert estimate_epoch_steps(quota, costs, [1000, 990], replicates=1)[:2] == (15, 17)
+    # a quota epoch with an empty rank closes at once; the estimate says one step
+    dry = ProtocolConfig(world_size=2, budget=Budget(1000), mode=Mode.QUOTA)
+    assert estimate_epoch_steps(dry, costs, [0, 40], replicates=1)[:2] == (1, 1)
+
+
+def test_a_rank_profile_reads_its_samples_after_a_step_scaled_to_its_shard() -> None:
+    from odb_core.estimate import _profile, _RankProfile
+
+    assert _profile(
+        ProtocolConfig(world_size=1, budget=Budget(10)), [Sample(0, 1)], 0, random.Random(0)
+    ) == (_RankProfile(0.0, (), 1.0))
+    assert _RankProfile(0.0, (), 1.0).emitted_after(3) == 0.0
+    p = _RankProfile(3.0, (2, 5, 9), 1.0)
+    assert [p.emitted_after(s) for s in range(5)] == [0, 2, 5, 9, 9]
+    q = _RankProfile(6.0, (2, 5, 9), 2.0)  # a shard twice the simulated samples
+    assert [q.emitted_after(s) for s in range(8)] == [0, 0, 4, 4, 10, 10, 18, 18]
+
+
+def test_the_quota_step_is_the_first_step_that_reaches_the_quota() -> None:
+    from odb_core.estimate import _quota_steps, _RankProfile
+
+    a = _RankProfile(5.0, (2, 4, 6, 8, 10), 1.0)
+    b = _RankProfile(5.0, (1, 2, 3, 4, 5), 1.0)
+    got = {q: _quota_steps([a, b], q) for q in (1, 3, 4, 6, 7, 9, 12, 15, 16, 99)}
+    assert got == {
+        1: 1.0,
+        3: 1.0,
+        4: 2.0,
+        6: 2.0,
+        7: 3.0,
+        9: 3.0,
+        12: 4.0,
+        15: 5.0,
+        16: 5.0,
+        99: 5.0,
+    }
+    assert all(isinstance(v, float) and v.is_integer() for v in got.values())
