@@ -1,0 +1,641 @@
+"""Edges of odb_core/torch/pipeline.py that the end-to-end loader tests pass over.
+
+Covered here: `_as_id` (ids from `id_fn`, tensor scalars, bad ids named exactly);
+how a failure is reported to the transport (once, ODBError included) and how a peer
+failure overtakes the steps already queued; the training loop's wait on a stuck
+protocol thread (the peers' verdict, heartbeats only after the transport timeout,
+a thread gone without a result); `close()` on threaded and inline
+pipelines (bounded join, never-started threads, the source released off the
+calling thread); the inline end repeated; the `truncate` oversize policy's
+pipeline side (`truncate_fn` arguments, the sample id in its errors, the
+consistency check against the protocol's cut); and the exact (deterministic)
+resume's replay: pads built from skipped steps, the replay check for a run that
+itself started mid-epoch, and its exact error message. Everything runs in one
+process (pipelines driven directly, or ranks on threads via tests/thread_ranks.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from thread_ranks import RankLoader, on_ranks  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+from odb_core import ODBDataLoader  # noqa: E402
+from odb_core.config import ProtocolConfig  # noqa: E402
+from odb_core.cost import Budget  # noqa: E402
+from odb_core.errors import ODBError, ODBPeerError, SampleError  # noqa: E402
+from odb_core.protocol import RankMachine, StepInfo, _truncated_tokens  # noqa: E402
+from odb_core.sample import Sample  # noqa: E402
+from odb_core.torch import pipeline  # noqa: E402
+from odb_core.torch.measure import LossTokens  # noqa: E402
+from odb_core.torch.pipeline import (  # noqa: E402
+    Emitted,
+    EpochPipeline,
+    EpochSetup,
+    _as_id,
+    _End,
+)
+from odb_core.torch.source import Record  # noqa: E402
+from odb_core.torch.transport import Gathering, LocalTransport  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(60)]
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+class Text(Dataset[dict[str, Any]]):
+    """Sample i: `input_ids` of `lengths[i]` tokens (arange) and its index."""
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.lengths = list(lengths)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": torch.arange(self.lengths[i]), "idx": i}
+
+
+def collate(samples: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Pads input_ids; a None sample (never collated by a correct pipeline) is idx -1."""
+    rows = [torch.arange(0) if s is None else torch.as_tensor(s["input_ids"]) for s in samples]
+    return {
+        "input_ids": torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
+        "idx": torch.tensor([-1 if s is None else s["idx"] for s in samples]),
+    }
+
+
+def small(n: int) -> list[int]:
+    return [1 + (i * 7919) % 9 for i in range(n)]
+
+
+def text_loader(ds: Any, **kw: Any) -> ODBDataLoader:
+    kw.setdefault("token_budget", 24)
+    kw.setdefault("buffer_size", 6)
+    kw.setdefault("collate_fn", collate)
+    return ODBDataLoader(ds, **kw)
+
+
+Row = tuple[int, tuple[int, ...], list[int]]
+
+
+def rows_of(dl: ODBDataLoader, it: Iterator[Any] | None = None, stop: int = -1) -> list[Row]:
+    """(step, sample ids, the batch's idx) of each step, up to `stop` steps."""
+    out: list[Row] = []
+    for batch in dl if it is None else it:
+        info = dl.step_info
+        assert info is not None
+        out.append((info.step, info.sample_ids, batch["idx"].tolist()))
+        if len(out) == stop:
+            break
+    return out
+
+
+def chunks(lengths: Sequence[int]) -> Iterator[list[Record]]:
+    """A pipeline source: one record (id, raw sample) per chunk."""
+    for i, n in enumerate(lengths):
+        yield [(i, {"input_ids": [0] * n})]
+
+
+def setup(source: Iterator[Any], transport: Any = None, **kw: Any) -> EpochSetup:
+    """One rank of world size 1 over `source`, collating lists of raw samples."""
+    config = ProtocolConfig(world_size=1, budget=Budget(8), buffer_size=4, max_steps_per_round=2)
+    return EpochSetup(
+        machine=RankMachine(0, config),
+        transport=LocalTransport() if transport is None else transport,
+        source=source,
+        tag=(7,),
+        excluded=frozenset(),
+        step_offset=0,
+        collate=list,
+        cost_fn=None,
+        loss_tokens=LossTokens(),
+        id_fn=None,
+        truncate_fn=None,
+        pin=None,
+        pad_fallback=lambda: None,
+        shard=None,
+        trace_path=None,
+        step_meta=False,
+        **kw,
+    )
+
+
+# ---- _as_id ---------------------------------------------------------------------------------
+
+
+class Scalar:
+    """Something with a callable `.item()`, like a numpy or torch scalar."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def item(self) -> object:
+        return self.value
+
+
+class NotCallableItem:
+    item = 5
+
+    def __repr__(self) -> str:
+        return "NotCallableItem()"
+
+
+def test_as_id_keeps_plain_ints_and_unwraps_item_scalars() -> None:
+    assert _as_id(7, 0) == 7
+    assert _as_id(0, 3) == 0
+    for value in (torch.tensor(5), Scalar(5)):
+        got = _as_id(value, 0)
+        assert got == 5 and type(got) is int
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (True, "True"),
+        ("x", "'x'"),
+        (None, "None"),
+        (2.0, "2.0"),
+        (torch.tensor(1.5), "1.5"),
+        (torch.tensor(True), "True"),
+        (Scalar("7"), "'7'"),
+        (NotCallableItem(), "NotCallableItem()"),
+    ],
+)
+def test_as_id_rejects_what_is_not_an_int_naming_position_and_value(
+    value: object, shown: str
+) -> None:
+    with pytest.raises(SampleError) as err:
+        _as_id(value, 4)
+    assert str(err.value) == f"sample at position 4: id_fn returned {shown}, not an int"
+
+
+def test_id_fn_returning_tensor_scalars_gives_the_samples_those_ids() -> None:
+    dl = text_loader(Text(small(12)), id_fn=lambda s: torch.tensor(100 + s["idx"]))
+    rows = rows_of(dl)
+    ids = [i for _, sids, _ in rows for i in sids]
+    assert sorted(ids) == list(range(100, 112))
+    assert all(type(i) is int for i in ids)
+    assert all([i - 100 for i in sids] == idx for _, sids, idx in rows)
+
+
+# ---- failures: reported once, peer failures first -------------------------------------------
+
+
+class Reporting(LocalTransport):
+    """World size 1 with the failure-note side of a transport."""
+
+    timeout = 0.05  # patience before `waiting()` is entered
+
+    def __init__(self, peers_gone: bool = False) -> None:
+        self.reports: list[BaseException] = []
+        self.peers_gone = peers_gone
+
+    def report(self, exc: BaseException) -> None:
+        self.reports.append(exc)
+
+    def flush(self, wait: float) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        if self.peers_gone:
+            raise ODBPeerError("rank 0: the peers' heartbeats stopped")
+        yield
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_bad_id_fn_value_is_reported_to_the_peers_once(threaded: bool) -> None:
+    transport = Reporting()
+    dl = RankLoader(
+        transport,
+        Text(small(8)),
+        token_budget=24,
+        buffer_size=4,
+        collate_fn=collate,
+        id_fn=lambda s: "bad" if s["idx"] == 2 else s["idx"],
+        prefetch_thread=threaded,
+    )
+    with pytest.raises(SampleError) as err:
+        rows_of(dl)
+    assert str(err.value) == "sample at position 2: id_fn returned 'bad', not an int"
+    assert transport.reports == [err.value] and transport.reports[0] is err.value
+
+
+def test_a_rank_stuck_in_its_own_source_raises_the_peer_error_and_reports_only_it() -> None:
+    release = threading.Event()
+
+    def stuck() -> Iterator[list[Record]]:
+        release.wait(5)
+        raise RuntimeError("the source failed late")
+        yield []  # a generator
+
+    transport = Reporting(peers_gone=True)
+    p = EpochPipeline(setup(stuck(), transport), threaded=True)
+    p.start()
+    with pytest.raises(ODBPeerError) as first:
+        p.get()
+    assert str(first.value) == "rank 0: the peers' heartbeats stopped"
+    release.set()
+    p._thread.join(5)
+    assert not p.alive
+    # The late failure of the stuck thread is not a second report...
+    assert transport.reports == [first.value] and transport.reports[0] is first.value
+    # ...and the known peer failure still goes ahead of it.
+    with pytest.raises(ODBPeerError) as again:
+        p.get()
+    assert again.value is first.value
+
+
+class DiesAtRound(LocalTransport):
+    def __init__(self, dead: int) -> None:
+        self.dead = dead
+
+    def start(self, tag: tuple[int, ...], vector: Sequence[int]) -> Gathering:
+        if tag[-1] == self.dead:
+            raise ODBPeerError(f"rank 1 died before round {self.dead}")
+        return super().start(tag, vector)
+
+
+def test_a_peer_failure_overtakes_the_steps_already_queued() -> None:
+    p = EpochPipeline(setup(chunks([3] * 12), DiesAtRound(1)), threaded=True)
+    p.start()
+    p._thread.join(5)
+    assert not p.alive and p._queue.qsize() >= 2  # round 0's steps, then the failure
+    with pytest.raises(ODBPeerError) as err:
+        p.get()
+    assert str(err.value) == "rank 1 died before round 1"
+
+
+class Verdict(LocalTransport):
+    """World size 1 whose peers' failure notes are read without a collective."""
+
+    timeout = 0.0  # no patience: never enters `waiting()`
+
+    def __init__(self) -> None:
+        self.known = ODBPeerError("rank 1: rank 1 failed and left")
+
+    def verdict(self) -> ODBPeerError | None:
+        return self.known
+
+
+class Patient(LocalTransport):
+    """Heartbeats are read (and show the peers gone) only after `timeout` seconds."""
+
+    timeout = 5.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        raise ODBPeerError("rank 0: the peers' heartbeats stopped")
+        yield
+
+
+def stalled(release: threading.Event, wait: float) -> Iterator[list[Record]]:
+    """A source stuck (until `release` or `wait` seconds) before its samples."""
+    release.wait(wait)
+    yield from chunks([3] * 6)
+
+
+def test_a_rank_stuck_in_its_own_source_raises_the_peers_verdict() -> None:
+    release = threading.Event()
+    transport = Verdict()
+    p = EpochPipeline(setup(stalled(release, 3.0), transport), threaded=True)
+    p.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(ODBPeerError) as err:
+            p.get()
+        assert time.monotonic() - start < 2.0
+    finally:
+        release.set()
+        p._thread.join(5)
+    assert err.value is transport.known
+
+
+class NoVerdict(Verdict):
+    """The peers have said nothing yet: the wait goes on."""
+
+    def verdict(self) -> ODBPeerError | None:
+        self.asked = getattr(self, "asked", 0) + 1
+        return None
+
+
+def test_a_slow_source_with_no_peer_verdict_keeps_waiting() -> None:
+    release = threading.Event()
+    transport = NoVerdict()
+    p = EpochPipeline(setup(stalled(release, 0.4), transport), threaded=True)
+    p.start()
+    try:
+        first = p.get()  # 0.4 s stuck: the verdict is read (and empty) on each 0.1 s wait
+    finally:
+        release.set()
+        p._thread.join(5)
+    assert isinstance(first, Emitted) and first.info.step == 0
+    assert transport.asked >= 1
+
+
+def test_the_heartbeats_are_read_only_after_the_transport_timeout() -> None:
+    release = threading.Event()
+    p = EpochPipeline(setup(stalled(release, 0.4), Patient()), threaded=True)
+    p.start()
+    try:
+        first = p.get()  # 0.4 s stuck, well within the 5 s patience
+    finally:
+        release.set()
+        p._thread.join(5)
+    assert isinstance(first, Emitted) and first.info.step == 0
+
+
+def test_get_from_a_protocol_thread_that_ended_without_a_result_raises() -> None:
+    p = EpochPipeline(setup(chunks([3, 3])), threaded=True)  # never started
+    with pytest.raises(ODBError) as err:
+        p.get()
+    assert str(err.value) == "the loader's protocol thread ended without a result"
+
+
+# ---- close ----------------------------------------------------------------------------------
+
+
+def test_close_of_a_threaded_pipeline_never_started_returns() -> None:
+    p = EpochPipeline(setup(chunks([3, 3])), threaded=True)
+    p.close(timeout=1.0)
+    assert not p.alive
+
+
+def test_close_waits_for_a_stuck_protocol_thread_at_most_its_timeout() -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def slow() -> Iterator[list[Record]]:
+        yield [(0, {"input_ids": [0] * 3})]
+        entered.set()
+        release.wait(4)
+        yield [(1, {"input_ids": [0] * 3})]
+
+    p = EpochPipeline(setup(slow()), threaded=True)
+    p.start()
+    assert entered.wait(5)
+    start = time.monotonic()
+    p.close(timeout=0.2)
+    elapsed = time.monotonic() - start
+    try:
+        assert elapsed < 2.0
+        assert p.alive  # still stuck in its source: the loader reports that
+    finally:
+        release.set()
+        p._thread.join(5)
+    assert not p.alive
+
+
+def test_inline_close_before_the_end_releases_the_source_off_the_calling_thread() -> None:
+    released: list[str] = []
+    done = threading.Event()
+
+    def source() -> Iterator[list[Record]]:
+        try:
+            yield from chunks([3] * 20)
+        finally:
+            released.append(threading.current_thread().name)
+            done.set()
+
+    p = EpochPipeline(setup(source()), threaded=False)
+    p.start()
+    first = p.get()
+    assert isinstance(first, Emitted) and not first.last_of_epoch
+    p.close()
+    assert done.wait(5)
+    assert released == ["odb-release-workers"]
+    assert p._finished
+
+
+def test_inline_get_after_the_end_returns_the_same_end() -> None:
+    p = EpochPipeline(setup(chunks([3] * 5)), threaded=False)
+    p.start()
+    items = [p.get() for _ in range(6)]
+    ends = [i for i in items if isinstance(i, _End)]
+    assert ends, "five samples end within six gets"
+    end = ends[0]
+    assert all(i is end for i in items[items.index(end) :])
+    assert p.get() is end
+    p.close()
+    assert p.get() is end
+
+
+# ---- truncate ---------------------------------------------------------------------------------
+
+
+def test_truncate_fn_gets_the_raw_sample_and_the_kept_count() -> None:
+    calls: list[tuple[int, int, int]] = []
+
+    def cut(raw: dict[str, Any], keep: int) -> dict[str, Any]:
+        calls.append((raw["idx"], len(raw["input_ids"]), keep))
+        return {**raw, "input_ids": raw["input_ids"][:keep]}
+
+    dl = text_loader(Text([3, 100, 3, 3]), token_budget=50, oversize="truncate", truncate_fn=cut)
+    widths = {}
+    for batch in dl:
+        info = dl.step_info
+        assert info is not None
+        if 1 in info.sample_ids:
+            assert info.truncated == ((1, 50),)
+            widths[1] = batch["input_ids"].shape[1]
+            assert batch["idx"].tolist() == [1]
+    assert calls == [(1, 100, 50)]
+    assert widths == {1: 50}
+
+
+def test_default_truncate_names_the_sample_it_cannot_cut() -> None:
+    class Lists(Dataset[list[int]]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> list[int]:
+            return [i] * (100 if i == 2 else 3)
+
+    dl = ODBDataLoader(
+        Lists(),
+        token_budget=50,
+        buffer_size=4,
+        oversize="truncate",
+        cost_fn=len,
+        collate_fn=list,
+    )
+    with pytest.raises(SampleError) as err:
+        list(dl)
+    assert str(err.value) == ("sample 2: oversize='truncate' needs truncate_fn= for a list sample")
+
+
+def test_loss_tokens_of_a_truncated_sample_name_the_sample_when_they_fail() -> None:
+    def loss_tokens(sample: dict[str, Any]) -> int:
+        n = len(sample["input_ids"])
+        if n == 50:
+            raise ValueError("cut to 50")
+        return n
+
+    dl = text_loader(
+        Text([3, 3, 100, 3]), token_budget=50, oversize="truncate", loss_tokens_fn=loss_tokens
+    )
+    with pytest.raises(SampleError) as err:
+        list(dl)
+    assert str(err.value) == "sample 2: loss_tokens_fn raised ValueError('cut to 50')"
+
+
+def test_a_cut_that_differs_from_the_protocols_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    def one_less(sample: Sample, config: ProtocolConfig) -> int | None:
+        kept = _truncated_tokens(sample, config)
+        return None if kept is None else kept - 1
+
+    monkeypatch.setattr(pipeline, "_truncated_tokens", one_less)
+    dl = text_loader(Text([3, 100, 3, 3]), token_budget=50, oversize="truncate")
+    with pytest.raises(ODBError) as err:
+        list(dl)
+    assert str(err.value) == (
+        "sample 1: truncated to 49 tokens before observing, but the protocol kept 50"
+    )
+
+
+# ---- exact resume: the replay -------------------------------------------------------------------
+
+
+def test_an_exact_resume_drops_the_data_of_the_steps_it_skips() -> None:
+    lengths = [3, 40, 3, 5, 2, 4, 6, 3, 2, 5, 4, 3, 6, 2, 3, 4]
+    kw: dict[str, Any] = {
+        "deterministic": True,
+        "oversize": "truncate",
+        "max_steps_per_round": 1,
+        "prefetch_thread": False,
+    }
+    full = rows_of(text_loader(Text(lengths), **kw))
+    (cut_step,) = [n for n, (_, sids, _) in enumerate(full) if 1 in sids]
+    stop = cut_step + 1
+    assert stop < len(full) - 1
+    dl = text_loader(Text(lengths), **kw)
+    assert rows_of(dl, iter(dl), stop) == full[:stop]
+    state = json.loads(json.dumps(dl.state_dict()))
+    fresh = text_loader(Text(lengths), **kw)
+    fresh.load_state_dict(state)
+    it = iter(fresh)
+    assert rows_of(fresh, it, 1) == full[stop : stop + 1]
+    p = fresh._pipeline
+    assert p is not None
+    assert p._replay_checked is True
+    assert p._skipped == stop
+    assert p._replayed == set(state["done"])
+    assert not set(state["done"]) & (set(p._raw) | set(p._cut))
+    assert rows_of(fresh, it) == full[stop + 1 :]
+
+
+# Rank 1 holds three samples and pads while rank 0 still trains.
+SHARDS = [list(range(16)), [16, 17, 18]]
+
+
+def two_ranks(states: list[dict[str, Any]] | None = None) -> Callable[[Any], ODBDataLoader]:
+    def build(transport: Any) -> ODBDataLoader:
+        dl = RankLoader(
+            transport,
+            Text([2 + (i * 7919) % 19 for i in range(19)]),
+            token_budget=40,
+            buffer_size=4,
+            max_steps_per_round=2,
+            collate_fn=collate,
+            sampler=SHARDS[transport.rank],
+            partition=False,
+            deterministic=True,
+        )
+        if states is not None:
+            dl.load_state_dict(states[transport.rank])
+        return dl
+
+    return build
+
+
+def recording(stop: int = -1) -> Callable[[ODBDataLoader], tuple[list[StepInfo], dict[str, Any]]]:
+    def body(dl: ODBDataLoader) -> tuple[list[StepInfo], dict[str, Any]]:
+        infos: list[StepInfo] = []
+        rows: list[Row] = []
+        dl.__dict__["rows"] = rows
+        for batch in dl:
+            assert dl.step_info is not None
+            infos.append(dl.step_info)
+            rows.append((dl.step_info.step, dl.step_info.sample_ids, batch["idx"].tolist()))
+            if len(infos) == stop:
+                break
+        return infos, json.loads(json.dumps(dl.state_dict()))
+
+    return body
+
+
+def test_pads_after_an_exact_resume_collate_the_shortest_sample_of_the_skipped_steps() -> None:
+    whole = on_ranks(2, two_ranks(), recording())
+    real = [n for n, info in enumerate(whole[1].infos) if not info.is_pad]
+    stop = real[-1] + 1  # rank 1 emitted all its samples before the resume point
+    assert stop < len(whole[1].infos), "rank 1 pads after the resume point"
+    shortest = min(SHARDS[1], key=lambda i: (2 + (i * 7919) % 19, i))
+    pads = whole[1].loader.__dict__["rows"][stop:]
+    assert pads and all(idx == [shortest] for _, _, idx in pads)
+    before = on_ranks(2, two_ranks(), recording(stop))
+    after = on_ranks(2, two_ranks([r.state for r in before]), recording())
+    for r in range(2):
+        assert after[r].loader.__dict__["rows"] == whole[r].loader.__dict__["rows"][stop:]
+
+
+def test_an_exact_resume_of_a_run_that_started_mid_epoch_replays_from_that_start() -> None:
+    ds = Text(small(40))
+    kw: dict[str, Any] = {"deterministic": True, "max_steps_per_round": 1}
+    full = rows_of(text_loader(ds, **kw))
+    assert len(full) > 6
+    first = text_loader(ds, **kw)
+    assert rows_of(first, iter(first), 2) == full[:2]
+    merged = text_loader(ds, **kw)
+    merged.load_state_dict([first.state_dict()])  # a merged state: not an exact resume
+    it = iter(merged)
+    assert rows_of(merged, it, 2) == full[2:4]
+    state = json.loads(json.dumps(merged.state_dict()))
+    assert (state["start_step"], state["step"]) == (2, 4)
+    exact = text_loader(ds, **kw)
+    exact.load_state_dict(state)
+    assert rows_of(exact) == full[4:]
+
+
+OFFSET = [0]
+
+
+def test_an_exact_resume_over_other_samples_raises_naming_ten_of_each() -> None:
+    ds = Text(small(60))
+    kw: dict[str, Any] = {
+        "deterministic": True,
+        "max_steps_per_round": 1,
+        "id_fn": lambda s: s["idx"] + OFFSET[0],
+    }
+    dl = text_loader(ds, **kw)
+    head = rows_of(dl, iter(dl), 5)
+    state = json.loads(json.dumps(dl.state_dict()))
+    done = sorted(state["done"])
+    assert len(done) > 10
+    OFFSET[0] = 1000
+    try:
+        fresh = text_loader(ds, **kw)
+        fresh.load_state_dict(state)
+        with pytest.raises(ODBError) as err:
+            rows_of(fresh)
+    finally:
+        OFFSET[0] = 0
+    assert len(head) == 5
+    missing = done[:10]
+    extra = [1000 + i for i in done[:10]]
+    assert str(err.value) == (
+        "rank 0: the exact resume replayed 5 steps up to the saved step 5 (expected 5) and "
+        f"emitted other samples than the saved state records (missing {missing}, unexpected "
+        f"{extra}): deterministic=True needs a dataset that yields the same samples in "
+        "every run"
+    )
