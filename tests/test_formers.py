@@ -123,3 +123,10 @@ def test_best_fit_returns_the_least_filled_of_two_batches_as_leftovers() -> None
     assert [s.id for s in r.leftovers] == [1]
     flushed = FORMERS[FormerKind.BEST_FIT_DECREASING](window, Budget(10), PackedTokens(), True)
     assert _ids(flushed) == [[0], [1]] and flushed.leftovers == []
+
+
+def test_best_fit_puts_zero_cost_samples_together() -> None:
+    # a batch of empty samples costs 0, which must still count as a fit
+    window = [Sample(0, 0), Sample(1, 0), Sample(2, 0)]
+    r = FORMERS[FormerKind.BEST_FIT_DECREASING](window, Budget(8), PackedTokens(), True)
+    assert _ids(r) == [[0, 1, 2]] and r.leftovers == []

@@ -10,28 +10,35 @@ calling thread); the inline end repeated; the `truncate` oversize policy's
 pipeline side (`truncate_fn` arguments, the sample id in its errors, the
 consistency check against the protocol's cut); and the exact (deterministic)
 resume's replay: pads built from skipped steps, the replay check for a run that
-itself started mid-epoch, and its exact error message. Everything runs in one
+itself started mid-epoch, and its exact error message; the protocol thread (a
+daemon named odb-protocol) and how far its gate lets it run ahead, steps finished
+after close left uncollated, the close's id check and ledger exchange (their tags,
+a peer's bad ledger), the transport flushed before a failure is raised, the round
+in flight landing on an inline close, trace files, the epoch stats and `_overlap`,
+and pads collating the shortest sample (zero tokens included). Everything runs in one
 process (pipelines driven directly, or ranks on threads via tests/thread_ranks.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from thread_ranks import RankLoader, on_ranks  # noqa: E402
+from thread_ranks import Hub, RankLoader, ThreadTransport, on_ranks  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
-from odb_core.config import ProtocolConfig  # noqa: E402
+from odb_core.config import Mode, ProtocolConfig  # noqa: E402
 from odb_core.cost import Budget  # noqa: E402
 from odb_core.errors import ODBError, ODBPeerError, SampleError  # noqa: E402
 from odb_core.protocol import RankMachine, StepInfo, _truncated_tokens  # noqa: E402
@@ -42,11 +49,13 @@ from odb_core.torch.pipeline import (  # noqa: E402
     Emitted,
     EpochPipeline,
     EpochSetup,
+    PadTemplate,
     _as_id,
     _End,
 )
 from odb_core.torch.source import Record  # noqa: E402
 from odb_core.torch.transport import Gathering, LocalTransport  # noqa: E402
+from odb_core.verify.trace import ProtocolTrace, TracingRankMachine  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(60)]
 
@@ -639,3 +648,357 @@ def test_an_exact_resume_over_other_samples_raises_naming_ten_of_each() -> None:
         f"{extra}): deterministic=True needs a dataset that yields the same samples in "
         "every run"
     )
+
+
+# ---- the protocol thread, the gate and the exchanges ------------------------------------------
+
+
+class Recording(LocalTransport):
+    """World size 1 that records the tags it starts and its exchanges (tag, ids, what)."""
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[int, ...]] = []
+        self.exchanges: list[tuple[tuple[int, ...], list[int], str]] = []
+        self.flushes: list[float] = []
+
+    def start(self, tag: tuple[int, ...], vector: Sequence[int]) -> Gathering:
+        self.starts.append(tag)
+        return super().start(tag, vector)
+
+    def exchange(
+        self, tag: tuple[int, ...], ids: Sequence[int], what: str = "an exchange"
+    ) -> list[list[int]]:
+        self.exchanges.append((tag, list(ids), what))
+        return super().exchange(tag, ids, what)
+
+    def flush(self, wait: float) -> None:
+        self.flushes.append(wait)
+
+
+def drain(p: EpochPipeline) -> tuple[list[Emitted], _End]:
+    """Every step of the epoch, then its end."""
+    steps: list[Emitted] = []
+    while True:
+        item = p.get()
+        if isinstance(item, _End):
+            return steps, item
+        steps.append(item)
+
+
+def settles_at(starts: list[tuple[int, ...]], n: int) -> int:
+    """How many rounds were started once `n` have been and the thread waited a while."""
+    deadline = time.monotonic() + 5
+    while len(starts) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.25)
+    return len(starts)
+
+
+def test_the_protocol_runs_on_a_daemon_thread_named_odb_protocol() -> None:
+    seen: list[tuple[str, bool]] = []
+
+    def source() -> Iterator[list[Record]]:
+        seen.append((threading.current_thread().name, threading.current_thread().daemon))
+        yield from chunks([3] * 4)
+
+    p = EpochPipeline(setup(source()), threaded=True)
+    p.start()
+    steps, _ = drain(p)
+    p._thread.join(5)
+    assert [s.info.sample_ids for s in steps] == [(0, 1), (2, 3)]
+    assert seen == [("odb-protocol", True)]
+
+
+@pytest.mark.parametrize(("skip", "ahead"), [(0, 3), (2, 5), (3, 6)])
+def test_the_thread_runs_rounds_ahead_of_the_steps_taken_skipped_ones_included(
+    skip: int, ahead: int
+) -> None:
+    # One step per round here: round r waits until the loop took r - 2 steps.
+    transport = Recording()
+    replayed = frozenset(range(2 * skip))
+    s = setup(chunks([3] * 40), transport, skip_before=skip, replay_ids=replayed)
+    p = EpochPipeline(s, threaded=True)
+    p.start()
+    try:
+        assert settles_at(transport.starts, ahead) == ahead
+        assert p._taken == skip
+        first = p.get()
+        assert isinstance(first, Emitted) and first.info.step == skip
+        assert p._taken == skip + 1
+        assert settles_at(transport.starts, ahead + 1) == ahead + 1
+        steps, end = drain(p)
+    finally:
+        p.close(timeout=5)
+    assert [e.info.step for e in [first, *steps]] == list(range(skip, 20))
+    assert p._taken == 20
+    assert transport.starts == [(7, r) for r in range(20)]
+    assert end.stats.rounds == 20
+
+
+def test_the_close_exchanges_the_ids_under_the_rounds_tag_in_join_mode() -> None:
+    transport = Recording()
+    p = EpochPipeline(setup(chunks([3] * 6), transport), threaded=False)
+    steps, end = drain(p)
+    assert [s.info.sample_ids for s in steps] == [(0, 1), (2, 3), (4, 5)]
+    assert end.stats.rounds == 3 and end.ledger == ()
+    assert transport.exchanges == [
+        ((7, 3, -3), [0, 1, 2, 3, 4, 5], "the cross-rank id check at the close")
+    ]
+
+
+def quota_setup(source: Iterator[Any], transport: Any, shard: list[int]) -> EpochSetup:
+    s = setup(source, transport)
+    config = dataclasses.replace(s.machine.config, mode=Mode.QUOTA)
+    return dataclasses.replace(s, machine=RankMachine(0, config), shard=shard)
+
+
+def test_the_quota_close_exchanges_the_ledger_under_the_rounds_tag() -> None:
+    transport = Recording()
+    p = EpochPipeline(quota_setup(chunks([3] * 6), transport, list(range(8))), threaded=False)
+    steps, end = drain(p)
+    assert [s.info.sample_ids for s in steps] == [(0, 1), (2, 3), (4, 5)]
+    assert end.stats.rounds == 3
+    assert transport.exchanges == [
+        ((7, 3, -3), [0, 1, 2, 3, 4, 5, 6, 7], "the cross-rank id check at the close"),
+        ((7, 3), [6, 7], "an exchange"),
+    ]
+    assert end.ledger == ((6, 7),) and steps[-1].ledger == ((6, 7),)
+    assert [s.ledger for s in steps[:-1]] == [(), ()]
+
+
+@pytest.mark.parametrize(
+    ("step_offset", "window_offset", "first"), [(5, 0, (5, 0)), (0, 3, (0, 3)), (5, 3, (5, 3))]
+)
+def test_offsets_of_a_resumed_incarnation_shift_steps_and_windows_alone(
+    step_offset: int, window_offset: int, first: tuple[int, int]
+) -> None:
+    s = setup(chunks([3] * 4), window_offset=window_offset)
+    s.step_offset = step_offset
+    p = EpochPipeline(s, threaded=False)
+    steps, _ = drain(p)
+    got = [(e.info.step, e.info.window) for e in steps]
+    assert got == [first, (first[0] + 1, first[1] + 1)]
+
+
+def test_steps_the_thread_finishes_after_close_are_not_collated() -> None:
+    collated: list[list[Any]] = []
+
+    def collate_list(raws: list[Any]) -> list[Any]:
+        collated.append(raws)
+        return raws
+
+    entered, release = threading.Event(), threading.Event()
+
+    def source() -> Iterator[list[Record]]:
+        entered.set()
+        release.wait(5)
+        yield from chunks([3] * 40)
+
+    transport = Recording()
+    s = setup(source(), transport)
+    s.collate = collate_list
+    p = EpochPipeline(s, threaded=True)
+    p.start()
+    assert entered.wait(5)
+    p.close(timeout=0.0)
+    release.set()
+    p._thread.join(5)
+    assert not p.alive
+    # Rounds 0-2 need no step taken; round 3 waits for one, and the loop has stopped.
+    steps = [p.get() for _ in range(3)]
+    assert [(e.info.sample_ids, e.batch) for e in steps] == [
+        ((0, 1), None),
+        ((2, 3), None),
+        ((4, 5), None),
+    ]
+    with pytest.raises(ODBError) as err:
+        p.get()
+    assert str(err.value) == "the loader was closed before the epoch ended"
+    assert collated == []
+    assert transport.flushes == [1.0]
+    assert transport.starts == [(7, 0), (7, 1), (7, 2)]
+
+
+def test_a_failure_flushes_the_transport_before_it_is_raised() -> None:
+    def source() -> Iterator[list[Record]]:
+        yield from chunks([3] * 2)
+        raise RuntimeError("the source broke")
+
+    transport = Recording()
+    p = EpochPipeline(setup(source(), transport), threaded=False)
+    with pytest.raises(RuntimeError) as err:
+        drain(p)
+    assert str(err.value) == "the source broke"
+    assert transport.flushes == [1.0]
+
+
+def test_a_protocol_thread_gone_without_a_result_flushes_the_transport() -> None:
+    transport = Recording()
+    p = EpochPipeline(setup(chunks([3, 3]), transport), threaded=True)  # never started
+    with pytest.raises(ODBError) as err:
+        p.get()
+    assert str(err.value) == "the loader's protocol thread ended without a result"
+    assert transport.flushes == [1.0]
+
+
+class FailsLate(LocalTransport):
+    """Round 0 lands; every later round's all-gather fails when waited on."""
+
+    def __init__(self) -> None:
+        self.waited: list[tuple[int, ...]] = []
+
+    def start(self, tag: tuple[int, ...], vector: Sequence[int]) -> Gathering:
+        outer = self
+        rows = [list(vector)]
+
+        class Late:
+            def done(self) -> bool:
+                return False
+
+            def wait(self) -> list[list[int]]:
+                outer.waited.append(tag)
+                if tag[-1] > 0:
+                    raise ODBPeerError(f"rank 1 left in round {tag[-1]}")
+                return rows
+
+        return Late()
+
+
+def test_inline_close_lets_the_round_in_flight_land_and_ignores_its_peer_error() -> None:
+    transport = FailsLate()
+    p = EpochPipeline(setup(chunks([3] * 20), transport), threaded=False)
+    first = p.get()  # round 1 is issued before round 0's step is handed out
+    assert isinstance(first, Emitted) and first.info.sample_ids == (0, 1)
+    assert transport.waited == [(7, 0)]
+    p.close()
+    assert transport.waited == [(7, 0), (7, 1)]
+    assert p._finished and p._in_flight is None
+
+
+def test_a_trace_is_saved_into_directories_it_creates(tmp_path: Any) -> None:
+    s = setup(chunks([3] * 4))
+    s.machine = TracingRankMachine(0, s.machine.config)
+    s.trace_path = tmp_path / "a" / "b" / "trace.json"
+    steps, _ = drain(EpochPipeline(s, threaded=False))
+    assert [e.info.sample_ids for e in steps] == [(0, 1), (2, 3)]
+    trace = ProtocolTrace.load(s.trace_path)
+    assert [r.rank for r in trace.ranks] == [0]
+    assert trace.ranks[0].scales == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("tracing", [True, False])
+def test_no_trace_is_saved_without_both_a_path_and_a_tracing_machine(
+    tracing: bool, tmp_path: Any
+) -> None:
+    s = setup(chunks([3] * 4))
+    if tracing:
+        s.machine = TracingRankMachine(0, s.machine.config)
+    else:
+        s.trace_path = tmp_path / "trace.json"
+    steps, end = drain(EpochPipeline(s, threaded=False))
+    assert [e.info.sample_ids for e in steps] == [(0, 1), (2, 3)]
+    assert end.stats.rounds == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_round_waits_are_durations() -> None:
+    start = time.perf_counter()
+    steps, end = drain(EpochPipeline(setup(chunks([3] * 6)), threaded=False))
+    elapsed = time.perf_counter() - start
+    assert len(steps) == 3
+    assert end.stats.collectives == 3 and len(end.stats.round_wait_s) == 3
+    assert all(0.0 <= w <= elapsed for w in end.stats.round_wait_s)
+    assert 0.0 <= end.stats.collective_stall_s <= end.stats.stall_s <= elapsed
+
+
+@pytest.mark.parametrize(
+    ("xs", "ys", "total"),
+    [
+        ([(0.0, 1.0)], [(0.0, 1.0)], 1.0),
+        ([(0.0, 2.0)], [(1.0, 3.0)], 1.0),
+        ([(1.0, 3.0)], [(0.0, 2.0)], 1.0),
+        ([(0.0, 10.0)], [(1.0, 2.0), (3.0, 4.0), (5.0, 6.0)], 3.0),
+        ([(1.0, 2.0), (3.0, 4.0), (5.0, 6.0)], [(0.0, 10.0)], 3.0),
+        ([(0.0, 1.0), (2.0, 3.0)], [(1.0, 2.0)], 0.0),
+        ([], [(0.0, 1.0)], 0.0),
+    ],
+)
+def test_overlap_is_the_length_of_the_intersection(
+    xs: list[tuple[float, float]], ys: list[tuple[float, float]], total: float
+) -> None:
+    assert pipeline._overlap(xs, ys) == total
+
+
+def test_the_pad_template_keeps_the_first_shortest_sample_zero_tokens_included() -> None:
+    pad = PadTemplate()
+    assert (pad.sample, pad.length) == (None, -1)
+    pad.offer("empty", 0)
+    pad.offer("five", 5)
+    pad.offer("other empty", 0)
+    assert (pad.sample, pad.length) == ("empty", 0)
+    pad = PadTemplate()
+    pad.offer("three", 3)
+    pad.offer("other three", 3)
+    assert (pad.sample, pad.length) == ("three", 3)
+    pad.offer("two", 2)
+    assert (pad.sample, pad.length) == ("two", 2)
+
+
+# ---- two ranks of pipelines on threads ----------------------------------------------------------
+
+
+def on_two(
+    sources: list[Iterator[list[Record]]],
+    transport: Callable[[Hub, int], Any] = ThreadTransport,
+    mode: Mode = Mode.JOIN,
+) -> list[tuple[list[Emitted], _End] | BaseException]:
+    """Two inline pipelines (ranks 0 and 1) over an in-memory all-gather, on threads."""
+    hub = Hub(2)
+    config = ProtocolConfig(
+        world_size=2, budget=Budget(8), buffer_size=4, max_steps_per_round=2, mode=mode
+    )
+
+    def rank(r: int) -> tuple[list[Emitted], _End] | BaseException:
+        s = setup(sources[r], transport(hub, r))
+        s.machine = RankMachine(r, config)
+        s.pad_fallback = lambda: "fallback"
+        try:
+            return drain(EpochPipeline(s, threaded=False))
+        except ODBError as exc:
+            return exc
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(rank, range(2)))
+
+
+def test_pads_collate_the_ranks_shortest_sample_even_of_zero_tokens() -> None:
+    empty = {"input_ids": []}
+    results = on_two([chunks([3] * 8), iter([[(100, empty)]])])
+    first, second = results
+    assert not isinstance(first, BaseException) and not isinstance(second, BaseException)
+    assert [e.info.sample_ids for e in first[0]] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    got = [(e.info.sample_ids, e.batch) for e in second[0]]
+    assert got == [((100,), [empty])] + [((), [empty])] * 3
+
+
+class Tampered(ThreadTransport):
+    """Rank 0 receives a peer's quota ledger that holds one id twice."""
+
+    def exchange(
+        self, tag: tuple[int, ...], ids: Sequence[int], what: str = "an exchange"
+    ) -> list[list[int]]:
+        rows = super().exchange(tag, ids, what)
+        if self.rank == 0 and len(tag) == 2:  # the ledger, not the id check
+            rows[1] = [*rows[1], 99, 99]
+        return rows
+
+
+def test_inconsistent_ledgers_from_peers_raise_a_peer_error_naming_the_fault() -> None:
+    peer = iter([[(100 + i, {"input_ids": [0] * 3})] for i in range(4)])
+    first, second = on_two([chunks([3] * 4), peer], Tampered, Mode.QUOTA)
+    assert isinstance(first, ODBPeerError)
+    assert str(first) == (
+        "rank 0: inconsistent ledgers from peers: sample id 99 is in the ledger twice"
+    )
+    assert not isinstance(second, BaseException)
+    assert second[1].ledger == ((), ())

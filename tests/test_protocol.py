@@ -314,3 +314,38 @@ def test_truncation_keeps_loss_tokens_within_the_kept_tokens() -> None:
 
 def test_packed_default_cost_model() -> None:
     assert isinstance(cfg().cost_model, PackedTokens)
+
+
+def test_describe_is_the_plain_data_fingerprint_of_every_field_but_the_carry() -> None:
+    from odb_core.cost import PaddedTokens
+
+    config = ProtocolConfig(
+        world_size=3,
+        budget=Budget(512, max_samples=7, max_patches=9),
+        cost_model=PaddedTokens(),
+        buffer_size=16,
+        mode=Mode.QUOTA,
+        oversize=OversizePolicy.TRUNCATE,
+        max_steps_per_round=2,
+        quota=40,
+        deterministic=True,
+        grad_accum_steps=4,
+        carried=frozenset({1}),
+    )
+    assert config.describe() == {
+        "world_size": 3,
+        "budget_tokens": 512,
+        "max_samples": 7,
+        "max_patches": 9,
+        "cost_model": "padded",
+        "buffer_size": 16,
+        "mode": "quota",
+        "former": "greedy",
+        "oversize": "truncate",
+        "max_steps_per_round": 2,
+        "quota": 40,
+        "deterministic": True,
+        "loss_normalization": "tokens",
+        "grad_accum_steps": 4,
+        "tokens_per_update": None,
+    }

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mutation_score import read_results  # noqa: E402
+from mutation_score import read_results
 
 
 def sample(
