@@ -349,3 +349,40 @@ def test_describe_is_the_plain_data_fingerprint_of_every_field_but_the_carry() -
         "grad_accum_steps": 4,
         "tokens_per_update": None,
     }
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"world_size": True}, "world_size=True must be an integer >= 1"),
+        ({"budget": "x"}, "budget='x' must be a Budget"),
+        ({"cost_model": 5}, "cost_model=5 has no cost(stats) method"),
+        ({"mode": "bogus"}, "unknown mode 'bogus'; expected one of 'join', 'quota'"),
+        (
+            {"loss_normalization": "x"},
+            "unknown loss normalization 'x'; expected one of 'tokens', 'samples'",
+        ),
+        (
+            {"oversize": "drop"},
+            "unknown oversize policy 'drop'; expected one of 'error', 'solo', 'truncate'",
+        ),
+        ({"quota": 5}, "quota=5 is only meaningful with mode='quota'"),
+        ({"deterministic": "yes"}, "deterministic='yes' must be a bool"),
+        (
+            {"grad_accum_steps": 2, "tokens_per_update": 3},
+            "grad_accum_steps=2 and tokens_per_update=3 both close optimizer windows; "
+            "give one of them",
+        ),
+        ({"tokens_per_update": 0}, "tokens_per_update=0 must be an integer >= 1"),
+        ({"mode": "quota", "carried": "ab"}, "carried='ab' must be a set of sample ids"),
+        (
+            {"mode": "quota", "carried": [1.5]},
+            "carried holds 1.5, which is not an integer sample id",
+        ),
+        ({"carried": [1]}, "carried ids (1) are only meaningful with mode='quota'"),
+    ],
+)
+def test_config_errors_say_exactly_what_is_wrong(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        cfg(**kw)
+    assert str(err.value) == message
