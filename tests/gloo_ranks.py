@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,15 @@ def _entry(rank: int, world: int, port: int, target: str, spec: dict[str, Any], 
 
 
 def launch(
-    target: str, world: int, spec: dict[str, Any], out: Path, timeout: float = 120
+    target: str,
+    world: int,
+    spec: dict[str, Any],
+    out: Path,
+    timeout: float = 120,
+    hung: Collection[int] = (),
 ) -> list[dict[str, Any] | None]:
+    """`hung`: ranks a test makes hang on purpose; only the others are waited for
+    (until `timeout`), then every rank still alive is killed."""
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -42,8 +50,9 @@ def launch(
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
+    for r, p in enumerate(procs):
+        if r not in hung:
+            p.join(max(0.1, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()

@@ -19,11 +19,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.multiprocessing as mp  # noqa: E402
+import gloo_ranks  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
 from odb_core import ODBDataLoader, StepMeta, step_meta  # noqa: E402
-from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.verify.tlc import validate_trace_tlc  # noqa: E402
 from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
 
@@ -258,47 +257,16 @@ def run_epoch_disagreement(rank: int, world: int, spec: dict[str, Any]) -> dict[
     return {"raised": None, "steps": steps, "epoch": loader.epoch}
 
 
-def _rank_entry(rank: int, world: int, port: int, fn: str, spec: dict[str, Any], out: str) -> None:
-    init_local_gloo(rank, world, port, timeout_s=60)
-    try:
-        result = {"ok": True, **globals()[fn](rank, world, spec)}
-    except BaseException as exc:
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    release_child_resources()
-    os._exit(0)  # a peer may be dead: skip destroy_process_group's handshake
-
-
 # ---- the launcher and the checks -------------------------------------------------------
 
 
 def launch(
     fn: str, world: int, spec: dict[str, Any], out: Path, timeout: float = 120
 ) -> list[dict[str, Any] | None]:
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank_entry, args=(r, world, port, fn, spec, str(out)))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for r, p in enumerate(procs):
-        # A hung rank is expected in some tests; only the others must finish.
-        if str(r) in spec.get("hang", {}):
-            continue
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results: list[dict[str, Any] | None] = []
-    for r in range(world):
-        f = out / f"rank{r}.json"
-        results.append(json.loads(f.read_text()) if f.exists() else None)
-    return results
+    """Run `fn` of this module on `world` gloo ranks; a rank named in the spec's
+    "hang" map hangs on purpose and is not waited for."""
+    hung = {int(r) for r in spec.get("hang", {})}
+    return gloo_ranks.launch(f"{__name__}:{fn}", world, spec, out, timeout, hung=hung)
 
 
 def ok_results(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
