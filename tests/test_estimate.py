@@ -4,6 +4,7 @@ every rank, never above the proven bound, and refined by finished epochs."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -149,31 +150,10 @@ def test_the_per_rank_count_is_a_join_epoch_of_one_rank_whatever_the_config() ->
     base = ProtocolConfig(world_size=2, budget=Budget(4096), buffer_size=8, max_steps_per_round=2)
     want = _profile(base, costs, 300, random.Random(3))
     for other in (
-        ProtocolConfig(
-            world_size=2, budget=Budget(4096), buffer_size=8, max_steps_per_round=2, mode=Mode.QUOTA
-        ),
-        ProtocolConfig(
-            world_size=2,
-            budget=Budget(4096),
-            buffer_size=8,
-            max_steps_per_round=2,
-            mode=Mode.QUOTA,
-            quota=50,
-        ),
-        ProtocolConfig(
-            world_size=2,
-            budget=Budget(4096),
-            buffer_size=8,
-            max_steps_per_round=2,
-            grad_accum_steps=3,
-        ),
-        ProtocolConfig(
-            world_size=2,
-            budget=Budget(4096),
-            buffer_size=8,
-            max_steps_per_round=2,
-            tokens_per_update=999,
-        ),
+        replace(base, mode=Mode.QUOTA),
+        replace(base, mode=Mode.QUOTA, quota=50),
+        replace(base, grad_accum_steps=3),
+        replace(base, tokens_per_update=999),
     ):
         assert _profile(other, costs, 300, random.Random(3)) == want, other
 
