@@ -90,6 +90,32 @@ def test_batch_quality(benchmark: BenchmarkFixture, window: int, kind: FormerKin
     benchmark.extra_info.update({k: round(v, 3) for k, v in quality.items()})
 
 
+def padded_fraction(window: int | None) -> dict[str, float]:
+    """Padding of the greedy former streamed at `window` (None: one offline sort and cut
+    of the whole stream, what gmt does) on the lognormal stream, padded cost."""
+    samples = lognormal_stream(5000)
+    budget, model = Budget(8192), PaddedTokens()
+    if window is None:
+        batches = FORMERS[FormerKind.SORT_WINDOW_GREEDY](samples, budget, model, True).batches
+    else:
+        cfg = ProtocolConfig(world_size=1, budget=budget, cost_model=model, buffer_size=window)
+        m = RankMachine(0, cfg)
+        it = iter(samples)
+        batches, done = [], False
+        while not done:
+            result = m.all_gather([m.fill(lambda: next(it, None))])
+            done = result.done
+            batches += [s.batch for s in result.steps if s.batch is not None]
+    padded = sum(model.cost(BatchStats.of(b.samples)) for b in batches)
+    return {"padding": 1 - sum(s.length for s in samples) / padded, "batches": len(batches)}
+
+
+@pytest.mark.parametrize("window", [256, 1024, None], ids=["256", "1024", "offline"])
+def test_padding_vs_offline_sort(benchmark: BenchmarkFixture, window: int | None) -> None:
+    out = benchmark.pedantic(padded_fraction, args=(window,), rounds=1)
+    benchmark.extra_info.update({k: round(v, 4) for k, v in out.items()})
+
+
 def test_checker_states_per_second(benchmark: BenchmarkFixture) -> None:
     protocol = ProtocolConfig(world_size=2, budget=Budget(4), buffer_size=1, max_steps_per_round=2)
     cfg = ModelConfig(protocol, round_robin_shards([(i % 3) + 1 for i in range(8)], 2))

@@ -180,15 +180,17 @@ class ProtocolConfig:
 
 
 DEFAULT_BUFFER_SIZE = 64
-PADDED_BUFFER_SIZE = 256
+PADDED_BUFFER_SIZE = 1024
 
 
 def default_buffer_size(cost_model: CostModel | str) -> int:
-    """The window K a rank fills before forming, when none is given: 256 samples
+    """The window K a rank fills before forming, when none is given: 1,024 samples
     under the padded cost model, 64 otherwise. A padded batch costs n x its
     longest sample, so its padding falls only when a window holds many samples of
     close lengths (measured: 28% padding at 64, 11% at 256 on a long-tail CPU
-    run; `odb simulate --cost padded`: odb/gmt 0.68x -> 0.90x on ultrachat); a
-    packed batch pays no padding, and a larger window only holds more samples."""
+    run; `odb simulate --cost padded --ranks 8`: ultrachat pads 10.3% at 256,
+    3.3% at 1,024, odb/gmt 0.90x -> 0.97x); a packed batch pays no padding, and a
+    larger window only holds more samples. The price is host memory for K
+    preprocessed samples per rank and a longer first fill (docs/SIMULATOR.md)."""
     name = cost_model if isinstance(cost_model, str) else cost_model.name
     return PADDED_BUFFER_SIZE if name == "padded" else DEFAULT_BUFFER_SIZE

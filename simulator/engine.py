@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from odb_core.config import Mode, OversizePolicy, ProtocolConfig
+from odb_core.config import Mode, OversizePolicy, ProtocolConfig, coerce_enum
 from odb_core.cost import AttentionAware, BatchStats, Budget, CostModel, PackedTokens, PaddedTokens
 from odb_core.errors import ConfigError, ODBPeerError
 from odb_core.formers import FormerKind
@@ -33,6 +33,7 @@ from odb_core.protocol import (
     steps_bound,
 )
 from odb_core.sample import Sample
+from simulator import grouped
 from simulator.hardware import HardwareModel
 from simulator.pipeline import DataSource
 from simulator.slots import Columns, make_slot, mark_aborted
@@ -43,13 +44,17 @@ STRATEGIES: dict[str, str] = {
     "standard": "fixed batch size per rank, padded (DistributedSampler order)",
     "gmt": "offline Global Max Tokens oracle: sort by cached length, cut at budget, shard",
     "bmt": "offline Bucketed Max Tokens: sorted mega-buckets, packed at budget, shard",
-    "odb": "odb_core protocol, join mode, sort-window greedy former",
+    "grouped": "HF Trainer group_by_length: LengthGroupedSampler, Accelerate-sharded, padded",
+    "grouped-modality": "LLaVA group_by_modality_length sampler, Accelerate-sharded, padded",
+    "odb": "odb_core protocol, join mode, the loader's former for the cost model (--former)",
     "odb-bfd": "odb_core protocol, join mode, best-fit-decreasing former",
-    "odb-quota": "odb_core protocol, quota mode (first rank dry closes), greedy former",
+    "odb-quota": "odb_core protocol, quota mode (first rank dry closes), odb's former",
     "odb-ref": "PyPI online-dynamic-batching grouping on the same stream (if installed)",
 }
 DEFAULT_STRATEGIES = tuple(STRATEGIES)
 COSTS = ("packed", "padded", "attention")
+# Fixed-size batches are padded whatever the cost model (a DataLoader's default collation).
+_FIXED_BATCH = frozenset({"standard", "grouped", "grouped-modality"})
 
 # Host-side cost of the batcher per formed window sample (sorting, bookkeeping).
 FORM_S_PER_SAMPLE = 2e-6
@@ -116,6 +121,7 @@ class SimConfig:
     cost: str = "packed"
     attention_alpha: float = 1.0 / 4096
     buffer_size: int = 64
+    former: FormerKind = FormerKind.SORT_WINDOW_GREEDY
     max_steps_per_round: int = 8
     quota: int | None = None
     oversize: OversizePolicy = OversizePolicy.SOLO
@@ -150,6 +156,7 @@ class SimConfig:
             raise ConfigError(
                 f"unknown cost model {self.cost!r}; expected one of {', '.join(COSTS)}"
             )
+        object.__setattr__(self, "former", coerce_enum(FormerKind, "former", self.former))
         if not isinstance(self.oversize, OversizePolicy):
             object.__setattr__(self, "oversize", OversizePolicy(self.oversize))
         self.faults.validate(self.ranks)
@@ -210,6 +217,7 @@ class SimConfig:
             "standard_batch_size": self.standard_batch_size,
             "cost_model": self.cost,
             "buffer_size": self.buffer_size,
+            "former": self.former.value,
             "max_steps_per_round": self.max_steps_per_round,
             "quota": self.quota,
             "oversize": self.oversize.value,
@@ -286,7 +294,7 @@ class _Run:
         """Run per-rank batch lists (plan[r][s] = ids of rank r's s-th batch; an empty
         list is an idle step) with the DataLoader prefetching whole batches."""
         cfg = self.cfg
-        padded = name == "standard" or cfg.padded_collation
+        padded = name in _FIXED_BATCH or cfg.padded_collation
         tr = self.trainer(budget)
         steps = max((len(p) for p in plan), default=0)
         sources = [
@@ -349,6 +357,28 @@ class _Run:
             shard = order[r::w]
             plan.append([shard[i : i + bs] for i in range(0, len(shard), bs)])
         return self.run_planned("standard", plan, float(self.budget))
+
+    def _permute(self, salt: int) -> grouped.Permute:
+        rng = np.random.default_rng([self.cfg.seed, salt])
+        return lambda n: rng.permutation(n).tolist()
+
+    def grouped(self) -> dict[str, Any]:
+        """HF `group_by_length`: the sampler batch is the per-device batch (no gradient
+        accumulation), the lengths are what a length column holds (cached lengths)."""
+        bs, c = self.cfg.standard_batch_size, self.cols
+        order = grouped.length_grouped_indices(c.cached, bs, self._permute(5)(c.n))
+        plan = grouped.accelerate_shard(order, bs, self.world)
+        return self.run_planned("grouped", plan, float(self.budget))
+
+    def grouped_modality(self) -> dict[str, Any]:
+        """LLaVA `group_by_modality_length` with `world_size = W` (no accumulation)."""
+        bs, c = self.cfg.standard_batch_size, self.cols
+        multimodal = [v > 0 for v in c.visual]
+        order = grouped.modality_grouped_indices(
+            c.cached, multimodal, bs, self.world, self._permute(6)
+        )
+        plan = grouped.accelerate_shard(order, bs, self.world)
+        return self.run_planned("grouped-modality", plan, float(self.budget))
 
     def _cut(self, ordered: Sequence[int]) -> list[list[int]]:
         """Greedy cut of `ordered` at the budget, on cached lengths (what an offline
@@ -654,12 +684,16 @@ def simulate(cfg: SimConfig, progress: Progress | None = None) -> dict[str, Any]
             res = run.gmt()
         elif name == "bmt":
             res = run.bmt()
+        elif name == "grouped":
+            res = run.grouped()
+        elif name == "grouped-modality":
+            res = run.grouped_modality()
         elif name == "odb":
-            res = run.odb(FormerKind.SORT_WINDOW_GREEDY, Mode.JOIN)
+            res = run.odb(cfg.former, Mode.JOIN)
         elif name == "odb-bfd":
             res = run.odb(FormerKind.BEST_FIT_DECREASING, Mode.JOIN)
         else:
-            res = run.odb(FormerKind.SORT_WINDOW_GREEDY, Mode.QUOTA)
+            res = run.odb(cfg.former, Mode.QUOTA)
         elapsed = time.perf_counter() - t0
         m = res["metrics"]
         results[name] = m
@@ -687,12 +721,13 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | No
             return None
         return float(m["samples_per_s"])
 
-    base, oracle = rate("standard"), rate("gmt")
+    base, oracle, group = rate("standard"), rate("gmt"), rate("grouped")
     out: dict[str, dict[str, float | None]] = {}
     for name in results:
         r = rate(name)
         out[name] = {
             "vs_standard": round(r / base, 3) if r and base else None,
             "vs_gmt": round(r / oracle, 3) if r and oracle else None,
+            "vs_grouped": round(r / group, 3) if r and group else None,
         }
     return out

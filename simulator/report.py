@@ -12,6 +12,7 @@ _COLUMNS = (
     ("tokens/s", 10, "tokens_per_s", "d"),
     ("vs std", 6, "vs_standard", "r"),
     ("vs gmt", 6, "vs_gmt", "r"),
+    ("vs grp", 6, "vs_grouped", "r"),
     ("pad%", 5, "padding_ratio", "%"),
     ("fill%", 5, "budget_fill", "%"),
     ("steps", 6, "steps", "d"),
@@ -50,16 +51,16 @@ def format_run(run: dict[str, Any]) -> str:
         f"tokens, CV {wl['cv']}), {c['ranks']} ranks on {c['nodes']} node(s), "
         f"{run['hardware']['accelerator']['name']}, budget {c['budget_tokens']:,} tokens "
         f"({c['cost_model']}), standard batch size {c['standard_batch_size']}",
-        f"{'strategy':<10} " + " ".join(f"{h:>{w}}" for h, w, _, _ in _COLUMNS),
+        f"{'strategy':<16} " + " ".join(f"{h:>{w}}" for h, w, _, _ in _COLUMNS),
     ]
     for name, m in run["strategies"].items():
         r = run["ratios"].get(name, {})
         cells = [
             _cell(r.get(key) if kind == "r" else m[key], w, kind) for _, w, key, kind in _COLUMNS
         ]
-        lines.append(f"{name:<10} " + " ".join(cells))
+        lines.append(f"{name:<16} " + " ".join(cells))
     for name, reason in run.get("skipped", {}).items():
-        lines.append(f"{name:<10} {reason}")
+        lines.append(f"{name:<16} {reason}")
     for name, m in run["strategies"].items():
         for v in m.get("violations") or []:
             lines.append(f"  VIOLATION {name}: {v}")
@@ -89,7 +90,7 @@ def format_run(run: dict[str, Any]) -> str:
 def format_summary(runs: Sequence[dict[str, Any]]) -> str:
     """One line per run: odb ratios and the baselines' OOM steps."""
     lines = [
-        f"{'workload':<11} {'ranks':>5} {'nodes':>5} {'odb/std':>8} {'odb/gmt':>8} "
+        f"{'workload':<11} {'ranks':>5} {'nodes':>5} {'odb/std':>8} {'odb/gmt':>8} {'odb/grp':>8} "
         f"{'bfd/std':>8} {'odb fill':>8} {'gmt OOM':>7} {'odb lost/dup':>12}"
     ]
     for run in runs:
@@ -99,6 +100,7 @@ def format_summary(runs: Sequence[dict[str, Any]]) -> str:
             f"{c['workload']:<11} {c['ranks']:>5} {c['nodes']:>5} "
             f"{_ratio(r.get('odb', {}).get('vs_standard')):>8} "
             f"{_ratio(r.get('odb', {}).get('vs_gmt')):>8} "
+            f"{_ratio(r.get('odb', {}).get('vs_grouped')):>8} "
             f"{_ratio(r.get('odb-bfd', {}).get('vs_standard')):>8} "
             f"{100 * odb.get('budget_fill', 0):>7.1f}% "
             f"{s.get('gmt', {}).get('oom_steps', '-'):>7} "
@@ -108,10 +110,12 @@ def format_summary(runs: Sequence[dict[str, Any]]) -> str:
 
 
 def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
-    names = ["standard", "gmt", "bmt", "odb", "odb-bfd", "odb-quota", "odb-ref"]
+    names = ["standard", "gmt", "bmt", "grouped", "grouped-modality"]
+    names += ["odb", "odb-bfd", "odb-quota", "odb-ref"]
     present = [n for n in names if any(n in run["strategies"] for run in runs)]
     head = "| workload | ranks (nodes) | " + " | ".join(f"{n} samples/s" for n in present)
-    head += " | odb / standard | odb / gmt | odb fill | gmt OOM steps |"
+    head += " | odb / standard | odb / gmt | odb / grouped | odb padding | gmt padding"
+    head += " | odb fill | gmt OOM steps |"
     sep = "|" + "---|" * (head.count("|") - 1)
     rows = [head, sep]
     for run in runs:
@@ -121,6 +125,9 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
         cells += [
             _ratio(r.get("odb", {}).get("vs_standard")),
             _ratio(r.get("odb", {}).get("vs_gmt")),
+            _ratio(r.get("odb", {}).get("vs_grouped")),
+            f"{100 * s['odb']['padding_ratio']:.1f}%" if "odb" in s else "-",
+            f"{100 * s['gmt']['padding_ratio']:.1f}%" if "gmt" in s else "-",
             f"{100 * s['odb']['budget_fill']:.1f}%" if "odb" in s else "-",
             str(s["gmt"]["oom_steps"]) if "gmt" in s else "-",
         ]
@@ -148,7 +155,10 @@ def plot(runs: Sequence[dict[str, Any]], path: str | Path, timeline_strategy: st
         for j, name in enumerate(strategies):
             vals = [r["ratios"].get(name, {}).get("vs_standard") or 0.0 for r in runs]
             xs = [i + (j - (len(strategies) - 1) / 2) * width for i in range(len(runs))]
-            ax1.bar(xs, vals, width, label=name)
+            bars = ax1.bar(xs, vals, width, label=name)
+            if name == "odb":
+                notes = [_ratio(r["ratios"].get(name, {}).get("vs_grouped")) for r in runs]
+                ax1.bar_label(bars, [f"{t}\nvs grouped" for t in notes], fontsize=6)
         ax1.set_xticks(range(len(runs)))
         ax1.set_xticklabels(
             [
@@ -169,6 +179,17 @@ def plot(runs: Sequence[dict[str, Any]], path: str | Path, timeline_strategy: st
         ax1.set_xticklabels(list(runs[0]["strategies"]), fontsize=9)
         c = runs[0]["config"]
         ax1.set_ylabel(f"emitted samples/s ({c['workload']}, W={c['ranks']})")
+        vs_grouped = runs[0]["ratios"].get("odb", {}).get("vs_grouped")
+        if vs_grouped is not None:
+            ax1.text(
+                0.99,
+                0.95,
+                f"odb / grouped = {_ratio(vs_grouped)}",
+                ha="right",
+                va="top",
+                transform=ax1.transAxes,
+                fontsize=9,
+            )
     ax1.set_title("Simulated throughput per strategy (emitted samples / simulated wall time)")
     first = runs[0]
     m = first["strategies"].get(timeline_strategy)

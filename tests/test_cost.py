@@ -90,7 +90,7 @@ def test_visual_weights_from_zero_up_are_accepted(weight: float) -> None:
 def test_default_window_is_larger_under_padded_cost() -> None:
     from odb_core.config import DEFAULT_BUFFER_SIZE, PADDED_BUFFER_SIZE, default_buffer_size
 
-    assert (DEFAULT_BUFFER_SIZE, PADDED_BUFFER_SIZE) == (64, 256)
-    assert default_buffer_size(PaddedTokens()) == default_buffer_size("padded") == 256
+    assert (DEFAULT_BUFFER_SIZE, PADDED_BUFFER_SIZE) == (64, 1024)
+    assert default_buffer_size(PaddedTokens()) == default_buffer_size("padded") == 1024
     for other in (PackedTokens(), AttentionAware(), Multimodal(), "packed", "attention"):
         assert default_buffer_size(other) == 64

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from odb_core.batch import Batch
 from odb_core.cost import AttentionAware, BatchStats, Budget, CostModel, PackedTokens, PaddedTokens
-from odb_core.formers import FORMERS, FormerKind, sort_window_greedy
+from odb_core.formers import FORMERS, Former, FormerKind, FormResult, sort_window_greedy
 from odb_core.sample import Sample
 
 MODELS: list[CostModel] = [PackedTokens(), PaddedTokens(), AttentionAware(alpha=0.01)]
@@ -17,6 +19,31 @@ MODELS: list[CostModel] = [PackedTokens(), PaddedTokens(), AttentionAware(alpha=
 windows = st.lists(
     st.tuples(st.integers(1, 60), st.integers(0, 20), st.integers(0, 3)), min_size=0, max_size=40
 ).map(lambda xs: [Sample(i, t, v, p) for i, (t, v, p) in enumerate(xs)])
+
+
+def contract_violations(
+    former: Former, window: list[Sample], b: Budget, model: CostModel, flush: bool
+) -> list[str]:
+    """Every clause of the former contract (module docstring of odb_core.formers)."""
+    result = former(window, b, model, flush)
+    out: list[str] = []
+    emitted = [s for batch in result.batches for s in batch.samples] + result.leftovers
+    if Counter(emitted) != Counter(window):
+        out.append("batches + leftovers are not a partition of the window")
+    if flush and result.leftovers:
+        out.append("leftovers after a flush")
+    if window and not result.batches:
+        out.append("a non-empty window formed no batch")
+    for batch in result.batches:
+        if not batch.samples:
+            out.append("an empty batch")
+            continue
+        fits = b.fits(BatchStats.of(batch.samples), model)
+        if not (fits or (len(batch.samples) == 1 and batch.oversize)):
+            out.append(f"batch {batch.ids} over budget")
+        if batch.oversize != (not fits):
+            out.append(f"batch {batch.ids} oversize flag is {batch.oversize}")
+    return out
 
 
 @settings(max_examples=200, deadline=None)
@@ -39,20 +66,33 @@ def test_former_contract(
     flush: bool,
 ) -> None:
     b = Budget(budget, max_samples, max_patches)
-    result = FORMERS[kind](window, b, model, flush)
-    out = [s for batch in result.batches for s in batch.samples] + result.leftovers
-    # Partition: nothing lost, nothing duplicated.
-    assert Counter(out) == Counter(window)
-    if flush:
-        assert result.leftovers == []
-    if window:
-        assert result.batches, "a non-empty window always yields a batch"
-    for batch in result.batches:
-        assert batch.samples
-        fits = b.fits(BatchStats.of(batch.samples), model)
-        # Budget safety: over budget only as a flagged solo batch.
-        assert fits or (len(batch.samples) == 1 and batch.oversize)
-        assert batch.oversize == (not fits)
+    assert contract_violations(FORMERS[kind], window, b, model, flush) == []
+
+
+def _drops_leftovers(w: Sequence[Sample], b: Budget, m: CostModel, flush: bool) -> FormResult:
+    return FormResult(sort_window_greedy(w, b, m, flush).batches, [])
+
+
+def _one_batch(w: Sequence[Sample], b: Budget, m: CostModel, flush: bool) -> FormResult:
+    return FormResult([Batch(tuple(w), False)] if w else [], [])
+
+
+def _holds_all(w: Sequence[Sample], b: Budget, m: CostModel, flush: bool) -> FormResult:
+    return FormResult([], list(w))
+
+
+def _duplicates_head(w: Sequence[Sample], b: Budget, m: CostModel, flush: bool) -> FormResult:
+    r = sort_window_greedy(w, b, m, flush)
+    return FormResult(r.batches, [*r.leftovers, r.batches[0].samples[0]])
+
+
+@pytest.mark.parametrize(
+    "broken", [_drops_leftovers, _one_batch, _holds_all, _duplicates_head], ids=lambda f: f.__name__
+)
+def test_a_broken_former_is_caught_by_the_contract(broken: Former) -> None:
+    window = [Sample(0, 3), Sample(1, 5), Sample(2, 2), Sample(3, 4)]
+    found = contract_violations(broken, window, Budget(9), PackedTokens(), flush=False)
+    assert found, f"{broken.__name__} passed the contract"
 
 
 def test_greedy_is_longest_first_and_cuts_at_budget() -> None:

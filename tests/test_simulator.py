@@ -360,6 +360,7 @@ def test_cli_grid_table_markdown_and_plot(
         (["--budget", "16", "--oversize", "error"], "smallest sample"),
         (["--hw", "mfu"], "KEY=VALUE"),
         (["--kill-rank", "x:1"], "'x'"),
+        (["--former", "dp"], "'dp'"),
     ],
 )
 def test_cli_bad_input_exits_2_naming_the_value(
@@ -371,6 +372,26 @@ def test_cli_bad_input_exits_2_naming_the_value(
         code = int(exc.code or 0)
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_former_option_selects_odb_former_and_grouped_ratios_are_shown(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["simulate", "--workload", "mmmix", "--ranks", "8", "--samples", "3000"]
+    args += ["--strategies", "gmt,grouped,odb", "--json"]
+    assert main([*args, "--former", "bfd"]) == 0
+    bfd = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    greedy = json.loads(capsys.readouterr().out)
+    assert (bfd["config"]["former"], greedy["config"]["former"]) == ("bfd", "greedy")
+    assert bfd["strategies"]["odb"]["steps"] != greedy["strategies"]["odb"]["steps"] or (
+        bfd["strategies"]["odb"]["budget_fill"] != greedy["strategies"]["odb"]["budget_fill"]
+    )
+    assert greedy["ratios"]["odb"]["vs_grouped"] > 1
+    assert main([*args[:-1], "--markdown"]) == 0
+    md = capsys.readouterr().out
+    assert "odb / grouped" in md.splitlines()[0]
+    assert f"{greedy['ratios']['odb']['vs_grouped']:.2f}x" in md
 
 
 def test_cli_malformed_jsonl(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

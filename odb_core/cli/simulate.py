@@ -13,9 +13,20 @@ from typing import Any
 from odb_core.cli.options import positive_float, positive_int
 from odb_core.config import OversizePolicy, default_buffer_size
 from odb_core.errors import ConfigError
+from odb_core.formers import FormerKind
 
 _WORKLOADS = ("ultrachat", "llava", "sharegpt4o", "mmmix")
-_STRATEGIES = ("standard", "gmt", "bmt", "odb", "odb-bfd", "odb-quota", "odb-ref")
+_STRATEGIES = (
+    "standard",
+    "gmt",
+    "bmt",
+    "grouped",
+    "grouped-modality",
+    "odb",
+    "odb-bfd",
+    "odb-quota",
+    "odb-ref",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -68,6 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         type=positive_int,
         default=None,
         help="odb window K per rank (default: the loader's, 256 with --cost padded, else 64)",
+    )
+    p.add_argument(
+        "--former",
+        choices=[k.value for k in FormerKind],
+        default=FormerKind.SORT_WINDOW_GREEDY.value,
+        help="odb and odb-quota's batch former (default: the loader's, greedy)",
     )
     p.add_argument("--max-steps-per-round", type=positive_int, default=8)
     p.add_argument("--quota", type=positive_int, default=None, help="odb-quota global quota")
@@ -238,6 +255,7 @@ def build_configs(args: argparse.Namespace) -> list[Any]:
                     cost=args.cost,
                     attention_alpha=args.attention_alpha,
                     buffer_size=args.buffer or default_buffer_size(args.cost),
+                    former=FormerKind(args.former),
                     max_steps_per_round=args.max_steps_per_round,
                     quota=args.quota,
                     oversize=OversizePolicy(args.oversize),

@@ -141,7 +141,7 @@ class ODBDataLoader:
     `len(sample["input_ids"])` plus `sample["visual_tokens"]` if present),
     `mode` ('join' | 'quota'), `quota`, `seed` (per-epoch shuffle, same on every
     rank), `peer_timeout` (seconds before a dead or hung peer raises
-    ODBPeerError), `buffer_size` (window per rank; default 256 samples under the
+    ODBPeerError), `buffer_size` (window per rank; default 1,024 samples under the
     padded cost model, 64 otherwise), `max_steps_per_round`,
     `former`, `oversize` ('error' | 'solo' | 'truncate'), `max_samples`,
     `max_patches`, `loss_normalization` ('tokens' | 'samples'), `deterministic`,
