@@ -4,7 +4,8 @@ Targets from issue 4 (reported, never asserted on timing):
 - >= 1M simulated sample events per minute on one core;
 - W = 1,024 ranks over 100k samples in under 2 minutes;
 - `odb fuzz --ranks 64 --schedules 500` in reasonable time;
-- odb/standard and odb/gmt ratios per workload on 8 ranks (1 node) and 16 ranks (2 nodes).
+- odb/standard, odb/gmt and odb/grouped ratios per workload on 8 ranks (1 node) and
+  16 ranks (2 nodes).
 Numbers go to `extra_info` (see `--benchmark-json`) and are printed.
 """
 
@@ -69,6 +70,7 @@ def test_strategy_ratios(benchmark: Any, workload: str, ranks: int) -> None:
     info = {
         "odb_vs_standard": r["odb"]["vs_standard"],
         "odb_vs_gmt": r["odb"]["vs_gmt"],
+        "odb_vs_grouped": r["odb"]["vs_grouped"],
         "odb_bfd_vs_standard": r["odb-bfd"]["vs_standard"],
         "odb_bfd_vs_gmt": r["odb-bfd"]["vs_gmt"],
         "odb_fill": out["strategies"]["odb"]["budget_fill"],

@@ -24,6 +24,7 @@ caller's permutations (HF draws them with `torch.randperm`).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 
 Permute = Callable[[int], list[int]]
@@ -62,13 +63,14 @@ def _even_chunks(indices: list[int], lengths: Sequence[int], chunks: int) -> lis
         return [indices[i::chunks] for i in range(chunks)]
     per = len(indices) // chunks
     out: list[list[int]] = [[] for _ in range(chunks)]
-    totals: list[float] = [0.0] * chunks
+    # LLaVA scans for the first chunk of least total (a full one counts as infinite);
+    # a heap of (total, chunk) picks the same one in O(log chunks).
+    heap = [(0, k) for k in range(chunks)]
     for i in indices:
-        k = totals.index(min(totals))
+        total, k = heapq.heappop(heap)
         out[k].append(i)
-        totals[k] += lengths[i]
-        if len(out[k]) == per:
-            totals[k] = float("inf")
+        if len(out[k]) < per:
+            heapq.heappush(heap, (total + lengths[i], k))
     return out
 
 
