@@ -64,6 +64,14 @@ class Trainer:
     first_pad_time: float = 0.0
     halted: bool = False
     tail: deque[TailStep] = field(default_factory=deque)
+    # Where the wall time goes (seconds, summed over steps): the ranks' mean compute,
+    # of it the share spent on padding tokens, the wait for the slowest rank (max -
+    # mean: imbalance and the pad steps of the tail), and the per-step overhead
+    # (exposed all-reduce + optimizer). With data_wait_s they add up to the wall time.
+    busy_s: float = 0.0
+    padding_s: float = 0.0
+    imbalance_s: float = 0.0
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.delivered = np.zeros(self.n_samples, dtype=np.int64)
@@ -93,6 +101,7 @@ class Trainer:
             return False
         self.data_wait_s += start - prev
         gpu_max = 0.0
+        gpu_sum = 0.0
         ends: list[float] | None = [] if self._want_tail() else None
         any_pad = False
         for r, slot in enumerate(slots):
@@ -119,10 +128,17 @@ class Trainer:
                 g *= f
             if g > gpu_max:
                 gpu_max = g
+            gpu_sum += g
+            if s.compute_tokens:
+                self.padding_s += g * (1 - s.real_tokens / s.compute_tokens) / self.world
             if ends is not None:
                 ends.append(start + g)
         exposed = max(self._ar - self._bwd * gpu_max, self._bucket) if self._ar > 0 else 0.0
         end = start + gpu_max + exposed + self._opt
+        mean = gpu_sum / len(slots) if slots else 0.0
+        self.busy_s += mean
+        self.imbalance_s += gpu_max - mean
+        self.overhead_s += exposed + self._opt
         if any_pad and self.first_pad_step is None:
             self.first_pad_step = self.steps
             self.first_pad_time = start
@@ -159,6 +175,13 @@ class Trainer:
             "tail_s": round(tail_s, 3),
             "data_wait_s": round(self.data_wait_s, 3),
             "data_wait_fraction": round(self.data_wait_s / wall, 4) if wall > 0 else 0.0,
+            "time_s": {
+                "data_wait": round(self.data_wait_s, 3),
+                "compute": round(self.busy_s, 3),
+                "of_which_padding": round(self.padding_s, 3),
+                "rank_imbalance": round(self.imbalance_s, 3),
+                "step_overhead": round(self.overhead_s, 3),
+            },
             "oom_steps": self.oom_slots,
             "lost_ids": n_lost,
             "duplicated_ids": n_dup,

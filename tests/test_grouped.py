@@ -153,3 +153,21 @@ def test_grouped_pads_little_with_standard_step_count() -> None:
     assert r["odb"]["vs_grouped"] == pytest.approx(
         s["odb"]["samples_per_s"] / s["grouped"]["samples_per_s"], rel=1e-2
     )
+
+
+@pytest.mark.parametrize("cost", ["packed", "padded"])
+def test_time_split_adds_up_to_the_wall_time(cost: str) -> None:
+    cfg = SimConfig(
+        workload=make_workload("mmmix", 2000, 0),
+        ranks=8,
+        hardware=make_hardware("h100", 1),
+        strategies=("standard", "gmt", "grouped", "odb"),
+        cost=cost,
+    )
+    for name, m in simulate(cfg)["strategies"].items():
+        t = m["time_s"]
+        parts = t["data_wait"] + t["compute"] + t["rank_imbalance"] + t["step_overhead"]
+        assert parts == pytest.approx(m["wall_s"], abs=0.01), name
+        assert 0 <= t["of_which_padding"] <= t["compute"], name
+        assert (t["of_which_padding"] > 0) == (m["padding_ratio"] > 0), name
+        assert t["rank_imbalance"] > 0 and t["step_overhead"] > 0, name
