@@ -46,7 +46,7 @@ STRATEGIES: dict[str, str] = {
     "bmt": "offline Bucketed Max Tokens: sorted mega-buckets, packed at budget, shard",
     "grouped": "HF Trainer group_by_length: LengthGroupedSampler, Accelerate-sharded, padded",
     "grouped-modality": "LLaVA group_by_modality_length sampler, Accelerate-sharded, padded",
-    "odb": "odb_core protocol, join mode, the loader's former for the cost model (--former)",
+    "odb": "odb_core protocol, join mode, sort-window greedy former (or --former)",
     "odb-bfd": "odb_core protocol, join mode, best-fit-decreasing former",
     "odb-quota": "odb_core protocol, quota mode (first rank dry closes), odb's former",
     "odb-ref": "PyPI online-dynamic-batching grouping on the same stream (if installed)",

@@ -78,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--buffer",
         type=positive_int,
         default=None,
-        help="odb window K per rank (default: the loader's, 256 with --cost padded, else 64)",
+        help="odb window K per rank (default: the loader's, 1,024 with --cost padded, else 64)",
     )
     p.add_argument(
         "--former",
