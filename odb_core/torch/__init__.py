@@ -22,12 +22,14 @@ from odb_core.torch.meta import (
     scaled_loss,
     step_meta,
 )
+from odb_core.torch.schedule import ProgressLR
 from odb_core.torch.source import SampleLoadError
 from odb_core.torch.state import merge_states
 
 __all__ = [
     "STEP_META_KEY",
     "ODBDataLoader",
+    "ProgressLR",
     "SampleLoadError",
     "StepMeta",
     "causal_lm_loss",
