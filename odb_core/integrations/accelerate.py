@@ -67,6 +67,7 @@ from accelerate.utils import DistributedType, send_to_device  # type: ignore[imp
 
 from odb_core.errors import ConfigError
 from odb_core.integrations.versions import extra_range, in_range
+from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
 
 __all__ = [
@@ -215,6 +216,12 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
         """The loader's upper estimate of the epoch's steps; an epoch may differ, and
         iteration ends when the loader ends the epoch, not at this count."""
         return len(self.loader)
+
+    @property
+    def run_progress(self) -> RunProgress:
+        """The loader's run progress (no lookahead here: its last batch is the one in
+        training), the clock of `ProgressLR(optimizer, train, epochs=...)`."""
+        return self.loader.run_progress
 
     def __iter__(self) -> Iterator[Any]:
         _check_accumulation(self.accelerator)
