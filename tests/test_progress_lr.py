@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 from gloo_ranks import launch, ok
-from sft_support import ChatSFT, pad_collate
+from sft_support import ChatSFT, loss_tokens, pad_collate
 
-from odb_core import ODBDataLoader
-from odb_core.schedule import Schedule
-from odb_core.torch import ProgressLR, pop_step_meta
+from odb_core import ConfigError, ODBDataLoader
+from odb_core.schedule import Schedule, match_fixed_batch
+from odb_core.torch import ProgressLR, pop_step_meta, sample_profile
 
 PEAK = 1e-3
 EPOCHS = 2
@@ -174,3 +174,44 @@ def test_resume_at_another_world_size_ends_on_the_last_update(
     # Linear decay, and strictly decreasing over the whole run.
     rates = saved[0]["used"] + resumed[0]["used"]
     assert all(a > b for a, b in itertools.pairwise(rates))
+
+
+def test_sample_profile_is_the_loaders_and_sizes_the_fixed_batch_match() -> None:
+    """One process: `sample_profile(dataset)` measures what the loader measures (every
+    sample of a dataset under 256), so it sizes `tokens_per_update` before the loader."""
+    ds = ChatSFT(SAMPLES, seed=1)
+    profile = sample_profile(ds)
+    exact = sum(loss_tokens(ds[i]) for i in range(SAMPLES)) / SAMPLES
+    assert profile.measured == SAMPLES
+    assert profile.loss_per_sample == pytest.approx(exact, rel=1e-12)
+    assert match_fixed_batch(profile, batch_size=4, world_size=2) == round(8 * exact)
+    loader = ODBDataLoader(ds, token_budget=BUDGET, collate_fn=pad_collate, cost_model="padded")
+    assert loader.sample_profile() == profile
+    masked = sample_profile(ds, loss_tokens_fn=lambda s: 1)
+    assert masked.loss_per_sample == 1.0 and masked.cost_per_sample == profile.cost_per_sample
+
+
+def test_bad_scheduler_input_is_named() -> None:
+    loader = ODBDataLoader(ChatSFT(8), token_budget=BUDGET, collate_fn=pad_collate)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=PEAK)
+    with pytest.raises(ConfigError, match="epochs=0"):
+        ProgressLR(opt, loader, epochs=0)
+    with pytest.raises(ConfigError, match="source=list"):
+        ProgressLR(opt, [], epochs=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="tokens=3"):
+        ProgressLR(opt, loader, epochs=1, tokens=3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="shape"):
+        ProgressLR(opt, loader, epochs=1, shape="exponential")
+    sched = ProgressLR(opt, loader, epochs=1)
+    state = sched.state_dict()
+    assert set(state) <= {"base_lrs", "last_epoch", "_step_count", "_last_lr", "applied_lr"}
+    with pytest.raises(ConfigError, match="unknown keys"):
+        sched.load_state_dict({**state, "lr_lambdas": []})
+
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter([])
+
+    stream = ODBDataLoader(Stream(), token_budget=BUDGET)
+    with pytest.raises(ConfigError, match="IterableDataset"):
+        ProgressLR(opt, stream, epochs=1)

@@ -77,10 +77,14 @@ class EpochLength:
 
     def _sample(self, size: int, measure: Callable[[int], Sample]) -> list[Sample]:
         if self._costs is None:
-            k = min(COST_SAMPLE, size)
-            ids = random.Random(_SEED).sample(range(size), k)
-            self._costs = [measure(i) for i in ids]
+            self._costs = [measure(i) for i in cost_sample_ids(size)]
         return self._costs
+
+
+def cost_sample_ids(size: int) -> list[int]:
+    """The dataset indices measured for estimates and profiles: `COST_SAMPLE` of
+    them (all when fewer), picked by a fixed seed, the same on every rank."""
+    return random.Random(_SEED).sample(range(size), min(COST_SAMPLE, size))
 
 
 def shard_sizes(length: int, world: int) -> list[int]:
