@@ -52,6 +52,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp  # noqa: E402
+from gloo_ranks import launch as launch_ranks  # noqa: E402
+from gloo_ranks import ok  # noqa: E402
 from sft_support import ChatSFT, Reference, flat_grad, pad_collate, rel_l2, tiny_llama  # noqa: E402
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -581,6 +583,59 @@ def test_resume_on_one_process_ends_on_the_last_update(
     rest = [i for w in rec.windows for ids in w["ids"] for i in ids]
     assert sorted(done | set(rest)) == list(range(SCENARIOS["epochs"]["data"]["n"]))
     assert not done & set(rest)
+
+
+def run_resume_on(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """`epochs`' 2-rank checkpoint resumed on `world` ranks (gloo_ranks.launch)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(spec["port"]),
+        OMP_NUM_THREADS="1",
+    )
+    warnings.simplefilter("ignore")
+    r = run("epochs", Path(spec["out"]), resume=spec["ckpt"], save_strategy="no")
+    return {
+        "lrs": [w["lr"] for w in r["windows"]],
+        "ids": [i for w in r["windows"] for ids in w["ids"] for i in ids],
+        "final_lr": r["final_lr"],
+        "global_step": r["global_step"],
+        "max_steps": r["max_steps"],
+    }
+
+
+@distributed
+def test_resume_on_three_ranks_ends_on_the_last_update(
+    ranks: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    run0 = ranks[0]["epochs"]
+    step = ranks[0]["resume1"]["from"]
+    spec = {
+        "port": free_port(),
+        "out": str(tmp_path),
+        "ckpt": str(Path(run0["root"]) / f"checkpoint-{step}"),
+    }
+    resumed = ok(launch_ranks("test_integration_hf:run_resume_on", 3, spec, tmp_path))
+    peak = SCENARIOS["epochs"]["args"]["learning_rate"]
+    for r in resumed:
+        assert r["lrs"] == resumed[0]["lrs"]
+        assert r["lrs"][0] == pytest.approx(run0["windows"][step]["lr"], rel=1e-12)
+        assert all(a > b for a, b in itertools.pairwise(r["lrs"]))
+        assert r["final_lr"] <= 1e-6 * peak
+        assert r["max_steps"] == r["global_step"]
+    done = {
+        i
+        for r in ranks
+        for w in r["epochs"]["windows"][:step]
+        if w["epoch"] == 1
+        for ids in w["ids"]
+        for i in ids
+    }
+    rest = [i for r in resumed for i in r["ids"]]
+    assert sorted([*done, *rest]) == list(range(SCENARIOS["epochs"]["data"]["n"]))
 
 
 # ---- the runnable example ------------------------------------------------------------------

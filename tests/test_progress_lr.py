@@ -46,17 +46,18 @@ def _train(
     param: torch.nn.Parameter,
     stop_after: int | None = None,
     estimated: tuple[Any, Any] | None = None,
+    epochs: int = EPOCHS,
 ) -> dict[str, Any]:
     """Run the loop to the end of the run (or `stop_after` updates); record the LR
     each update used and the progress it was taken at."""
     used, progress = [], []
-    for _ in range(loader.epoch, EPOCHS):
+    for _ in range(loader.epoch, epochs):
         for batch in loader:
             meta = pop_step_meta(batch)
             (param.sum() * meta.loss_scale).backward()
             if meta.sync_gradients:
                 used.append(opt.param_groups[0]["lr"])
-                progress.append(loader.run_progress.fraction(EPOCHS))
+                progress.append(loader.run_progress.fraction(epochs))
                 opt.step()
                 sched.step()
                 sched.step()  # a duplicate call (as Accelerate makes) changes nothing
@@ -215,3 +216,24 @@ def test_bad_scheduler_input_is_named() -> None:
     stream = ODBDataLoader(Stream(), token_budget=BUDGET)
     with pytest.raises(ConfigError, match="IterableDataset"):
         ProgressLR(opt, stream, epochs=1)
+
+
+def test_quota_epochs_are_the_clock_in_quota_mode() -> None:
+    """One process, quota mode: an epoch consumes the quota (a pass closed short of
+    it counts whole), so the schedule still ends on the last update of the run."""
+    loader = ODBDataLoader(
+        ChatSFT(SAMPLES, seed=1),
+        token_budget=BUDGET,
+        collate_fn=pad_collate,
+        cost_model="padded",
+        mode="quota",
+        quota=25,
+    )
+    assert loader.epoch_samples == 25
+    param = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([param], lr=PEAK)
+    sched = ProgressLR(opt, loader, epochs=3)
+    run = _train(loader, sched, opt, param, epochs=3)
+    assert run["progress"][-1] == 1.0 and sched.get_last_lr()[0] == 0.0
+    # Each quota pass ends at a whole third of the run.
+    assert [p for p in run["progress"] if p * 3 == round(p * 3)] == [1 / 3, 2 / 3, 1.0]
