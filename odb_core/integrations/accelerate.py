@@ -44,10 +44,11 @@ What Accelerate 1.16 does, and what the adapter does about it:
   `prepare_odb_loader` in the same order in the run that loads (Accelerate
   numbers registered objects), and do not call `accelerator.skip_first_batches`:
   the loader resumes after the last batch it yielded before the save.
-- Length: `len(train)` is the loader's upper estimate of the epoch's steps (for an
-  LR schedule: `ceil(len(train) / G)` optimizer steps per epoch, and Accelerate's
-  scheduler steps `num_processes` times per optimizer step unless
-  `split_batches=True`). The loop ends when the loader ends the epoch.
+- Length: `len(train)` is the loader's upper estimate of an epoch's steps (the same
+  every epoch); the loop ends when the loader ends the epoch. For the LR schedule,
+  `ProgressLR(optimizer, train, epochs=...)` runs on `train.run_progress`, the run's
+  exact progress: Accelerate's prepared scheduler steps it `num_processes` times per
+  update (unless `split_batches=True`), which it does not notice.
 """
 
 from __future__ import annotations

@@ -22,10 +22,14 @@ through overridable methods and a callback; nothing in transformers is patched):
   gives the loop a per-epoch cap that no epoch can reach (one step per sample),
   and the epoch ends when the loader's does (`get_batch_samples` sees the end and
   sets `should_epoch_stop`); training stops after `num_train_epochs` loader
-  epochs (`should_training_stop`). The LR schedule and the progress bar are sized
-  from the loader's upper step estimate (`loader.steps_estimate().upper`), and
-  the schedule is clamped (`ClampedLR`): it never steps past its end.
-  `max_steps > 0` keeps its meaning: stop after that many optimizer steps.
+  epochs (`should_training_stop`). `lr_scheduler_type` (linear, cosine, constant,
+  constant_with_warmup, cosine_with_min_lr) runs as a `ProgressLR` on the run's
+  exact progress (hf_lr.py), so it ends on the last update; another type is sized
+  from the loader's upper step estimate and clamped (`ClampedLR`: it never steps
+  past its end). `state.max_steps` and the progress bar show the planned total
+  (the loader's estimate before any epoch), raised when the run outlasts it and
+  set to the real count at the end. `max_steps > 0` keeps its meaning: stop after
+  that many optimizer steps (the Trainer's own schedule, sized to them).
 - **Windows.** `gradient_accumulation_steps=G` becomes the loader's
   `grad_accum_steps=G`, so the loader decides the windows (G steps from the
   epoch start, the epoch's last one shorter). `get_batch_samples` hands the loop

@@ -38,6 +38,9 @@ What Lightning does, and what the adapter does about it (Lightning 2.6):
 - `trainer.estimated_stepping_batches` reads the length, so Lightning reports
   `max_steps` (-1); `ODBTrainer` (or `estimated_stepping_batches(trainer)`) sizes it
   from the loader's upper estimate instead. `ODBProgressBar` shows the estimate.
+- LR schedules: `ProgressLR(opt, datamodule, epochs=...)` in `configure_optimizers`
+  (interval "step"); `ODBDataModule.run_progress` is the loader's progress as of
+  the batch that is training, not of the one Lightning prefetched.
 """
 
 from __future__ import annotations
