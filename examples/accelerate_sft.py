@@ -19,13 +19,14 @@ masked (-100). What changes from an Accelerate loop with a DataLoader:
   loader's position saved by `accelerator.save_state` (no `skip_first_batches`);
 - `with train.accumulate(model):` where `accelerator.accumulate(model)` would go;
   the prepared optimizer and scheduler step only where a window closes;
-- `scaled_loss(meta, model(**batch).loss)` with `meta = pop_step_meta(batch)`.
+- `scaled_loss(meta, model(**batch).loss)` with `meta = pop_step_meta(batch)`;
+- `ProgressLR(optimizer, train, epochs=...)`: the LR schedule on the run's
+  progress, prepared like any scheduler.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from odb_core import ODBDataLoader
 from odb_core.integrations.accelerate import prepare_odb_loader
-from odb_core.torch import pop_step_meta, scaled_loss
+from odb_core.torch import ProgressLR, pop_step_meta, scaled_loss
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 VOCAB = 128
@@ -122,12 +123,10 @@ def main() -> None:
         seed=0,
     )
     train = prepare_odb_loader(accelerator, loader)
-    # An LR schedule sized by the loader's upper estimate of an epoch's steps: it
-    # never runs past its end (Accelerate steps it num_processes times per update).
-    updates_per_epoch = math.ceil(len(train) / args.grad_accum)
-    scheduler = torch.optim.lr_scheduler.LinearLR(
-        optimizer, 1.0, 0.1, total_iters=args.epochs * updates_per_epoch * accelerator.num_processes
-    )
+    # Linear decay to a tenth on the run's exact progress (samples consumed over
+    # epochs x dataset): it ends on the last update whatever the step count, and the
+    # num_processes calls per update Accelerate makes change nothing.
+    scheduler = ProgressLR(optimizer, train, epochs=args.epochs, shape="linear", final=0.1)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if args.resume:
         accelerator.load_state(args.resume)  # model, optimizer, scheduler, RNG, loader position

@@ -13,8 +13,9 @@ masked (-100). What changes from a `Trainer` run with a batch size:
 - nothing else: `num_train_epochs` runs whole epochs (each sample once per
   epoch), `gradient_accumulation_steps` windows are the loader's (the epoch's
   last one shorter, and stepped), the loss is normalised over each window's real
-  tokens on every rank, the LR schedule is sized from the loader's step estimate,
-  and `resume_from_checkpoint` continues mid-epoch from the loader's saved state.
+  tokens on every rank, the LR schedule (`lr_scheduler_type`) runs on the run's
+  exact progress and ends on the last update, and `resume_from_checkpoint`
+  continues mid-epoch from the loader's saved state.
 """
 
 from __future__ import annotations
@@ -165,8 +166,8 @@ def main() -> None:
         estimate = trainer.odb_loader.steps_estimate()
         print(
             f"done on {training.world_size} ranks: {out.global_step} optimizer updates "
-            f"(LR schedule sized to {trainer.lr_scheduler.total}; an epoch is now estimated "
-            f"at {estimate.steps} steps, upper {estimate.upper}), mean loss "
+            f"(final learning rate {trainer.lr_scheduler.get_last_lr()[0]:.2e}; an epoch is "
+            f"now estimated at {estimate.steps} steps, upper {estimate.upper}), mean loss "
             f"{out.training_loss:.3f}"
         )
     import torch.distributed as dist

@@ -15,8 +15,10 @@ prompt labels are masked, long-tailed lengths). What is Lightning-specific:
   so `loader.step_info` already describes the next one;
 - `return lightning_loss(self, loss)`: Lightning divides the returned loss by G,
   the ODB scale already covers the whole window;
-- `ODBTrainer` sizes `estimated_stepping_batches` (the LR schedule here) from the
-  loader's upper estimate; `ODBProgressBar` shows the epoch's estimated steps;
+- `ProgressLR(opt, self.trainer.datamodule, epochs=...)`: linear decay on the
+  run's exact progress, ending on the last update; `ODBTrainer` sizes
+  `estimated_stepping_batches` from the loader's upper estimate (printed) and
+  `ODBProgressBar` shows the epoch's estimated steps;
 - checkpoints (`ModelCheckpoint`, `ckpt_path=`) carry every rank's loader state,
   so a run resumed mid-epoch sees each remaining sample exactly once.
 """
@@ -40,7 +42,7 @@ from odb_core.integrations.lightning import (
     ODBTrainer,
     lightning_loss,
 )
-from odb_core.torch import causal_lm_loss, pop_step_meta
+from odb_core.torch import ProgressLR, causal_lm_loss, pop_step_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_sft import ChatSFT, pad_collate, tiny_llama
@@ -88,8 +90,8 @@ class SFT(pl.LightningModule):
         total = self.estimate = self.trainer.estimated_stepping_batches  # upper estimate, > 0
         if self.trainer.is_global_zero:
             print(f"estimated optimizer steps: {total}", flush=True)
-        # Linear decay, clamped at 0 in case the run outlasts the estimate.
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / total))
+        # Linear decay to 0 on the run's exact progress: it ends on the last update.
+        sched = ProgressLR(opt, self.trainer.datamodule, epochs=self.trainer.max_epochs)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

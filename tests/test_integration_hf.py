@@ -17,7 +17,9 @@ samples, and checks coverage. One launch runs, in order:
   with a model that takes no loss kwargs (its mean loss x the core's scale);
 - `epochs`: 2 epochs, G=2, a real learning rate, a checkpoint every 3 steps and at
   each epoch's end: every sample once per epoch, other orders in the two epochs,
-  equal optimizer steps, the LR schedule clamped;
+  equal optimizer steps, the cosine schedule on the run's progress ending at 0 on
+  the last update, `state.max_steps` the planned total, then the real one;
+- `lr_g1`: 2 epochs, G=1, linear decay with warmup: ends at 0 on the last update;
 - `max_steps`: `max_steps=8` stops there (inside epoch 1);
 - `resume0`, `resume1`, `resume_end`, `resume_final`: `train(resume_from_checkpoint=...)`
   from a checkpoint inside epoch 0, inside epoch 1, at epoch 0's end and after the
@@ -32,6 +34,7 @@ more than 1e-4, so the comparison can fail.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -49,12 +52,15 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp  # noqa: E402
+from gloo_ranks import launch as launch_ranks  # noqa: E402
+from gloo_ranks import ok  # noqa: E402
 from sft_support import ChatSFT, Reference, flat_grad, pad_collate, rel_l2, tiny_llama  # noqa: E402
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from odb_core.errors import ConfigError  # noqa: E402
 from odb_core.integrations import hf  # noqa: E402
 from odb_core.integrations.hf import ODBArguments, ODBTrainer  # noqa: E402
+from odb_core.torch import ProgressLR  # noqa: E402
 from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -92,6 +98,18 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             "num_train_epochs": 2,
             "save_strategy": "steps",
             "save_steps": 3,
+        },
+        "grads": False,
+    },
+    "lr_g1": {
+        "data": {"n": 48, "seed": 6},
+        "odb": {"token_budget": 192, "seed": 7},
+        "args": {
+            "gradient_accumulation_steps": 1,
+            "learning_rate": 1e-3,
+            "num_train_epochs": 2,
+            "lr_scheduler_type": "linear",
+            "warmup_steps": 0.1,
         },
         "grads": False,
     },
@@ -195,6 +213,12 @@ def run(name: str, out: Path, resume: str | None = None, **extra: Any) -> dict[s
         "schedule": trainer._odb_schedule_steps,
         "sched_last": getattr(getattr(sched, "scheduler", None), "last_epoch", None),
         "clamped": isinstance(sched, hf.ClampedLR),
+        "progress_lr": isinstance(sched, ProgressLR),
+        "final_lr": float(sched.get_last_lr()[0]),
+        "max_steps": trainer.state.max_steps,
+        "planned": trainer._odb_planned_updates,
+        "bar_totals": rec.bar_totals,
+        "root": str(out),
         "time": time.perf_counter() - t0,
     }
 
@@ -221,7 +245,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
     try:
         root = Path(out)
         result: dict[str, Any] = {}
-        for name in ("g1", "g1_noavg", "g2", "g2_mean", "epochs"):
+        for name in ("g1", "g1_noavg", "g2", "g2_mean", "epochs", "lr_g1"):
             result[name] = run(name, root / name)
             torch.save(result, root / f"rank{rank}.pt")
         every = SCENARIOS["epochs"]["args"]["save_steps"]
@@ -431,11 +455,9 @@ def test_two_epochs_every_sample_once_in_other_orders(ranks: list[dict[str, Any]
         assert len(windows) == math.ceil(len(steps) / 2), "the last short window was not stepped"
     assert orders[0] != orders[1]
     assert run0["epoch"] == pytest.approx(2.0)
-    # The schedule was sized from the estimate (not the Trainer's step cap, 2 x 49)
-    # and never stepped past its end.
+    # The estimate (not the Trainer's step cap, 2 x 49) sizes the planned total.
     assert run0["global_step"] // 2 < run0["schedule"] < 49
-    assert run0["clamped"] and run0["sched_last"] <= run0["schedule"]
-    assert all(w["lr"] >= 0 for w in run0["windows"])
+    assert run0["global_step"] // 2 < run0["planned"] < 49
     # A run that dropped the tail of an epoch, or a second pass, is caught.
     assert sorted(all_ranks_epoch_ids(ranks, "epochs", 0)[:-1]) != list(range(n))
 
@@ -500,6 +522,120 @@ def test_max_steps_stops_after_that_many_optimizer_steps(ranks: list[dict[str, A
         full = r["epochs"]["windows"]
         assert full[7]["epoch"] == 1, "8 steps should reach into epoch 1"
         assert [w["ids"] for w in run_["windows"]] == [w["ids"] for w in full[:8]]
+
+
+@distributed
+@pytest.mark.parametrize("name", ["epochs", "lr_g1"])
+def test_schedule_ends_on_the_last_update(ranks: list[dict[str, Any]], name: str) -> None:
+    """The Trainer's own lr_scheduler_type, on the run's progress: it starts at its
+    start value and is at its final value (0) right after the last update."""
+    peak = SCENARIOS[name]["args"]["learning_rate"]
+    lrs = [w["lr"] for w in ranks[0][name]["windows"]]
+    for r in ranks:
+        run_ = r[name]
+        assert run_["progress_lr"]
+        assert [w["lr"] for w in run_["windows"]] == lrs
+        assert run_["final_lr"] <= 1e-6 * peak
+        # state.max_steps: the planned total during the run, the real count at its end.
+        assert run_["max_steps"] == run_["global_step"] == len(lrs)
+    if name == "lr_g1":  # linear warmup over a tenth of the run: from 0, up, then down
+        assert lrs[0] == 0.0 and 0 < max(lrs) <= peak and lrs[-1] < max(lrs) / 2
+    else:  # cosine from the peak, decreasing
+        assert lrs[0] == peak and all(a > b for a, b in itertools.pairwise(lrs))
+
+
+@distributed
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_resume_keeps_the_schedule(ranks: list[dict[str, Any]], epoch: int) -> None:
+    full = ranks[0]["epochs"]["windows"]
+    for r in ranks:
+        resumed = r[f"resume{epoch}"]
+        got = [w["lr"] for w in resumed["windows"]]
+        assert got == pytest.approx([w["lr"] for w in full[resumed["from"] :]], rel=1e-12)
+        assert resumed["final_lr"] <= 1e-6 * SCENARIOS["epochs"]["args"]["learning_rate"]
+
+
+@distributed
+def test_resume_on_one_process_ends_on_the_last_update(
+    ranks: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """A checkpoint of the 2-rank run resumed by one process (2 -> 1): it goes on from
+    the saved progress and still ends at 0 on its last update."""
+    run0 = ranks[0]["epochs"]
+    step = ranks[0]["resume1"]["from"]
+    trainer, rec = make_trainer("epochs", tmp_path, save_strategy="no", ddp_backend=None)
+    trainer.train(resume_from_checkpoint=str(Path(run0["root"]) / f"checkpoint-{step}"))
+    lrs = [w["lr"] for w in rec.windows]
+    assert lrs and lrs[0] == pytest.approx(run0["windows"][step]["lr"], rel=1e-12)
+    assert all(a > b for a, b in itertools.pairwise(lrs))
+    assert (
+        trainer.lr_scheduler.get_last_lr()[0] <= 1e-6 * SCENARIOS["epochs"]["args"]["learning_rate"]
+    )
+    done = {i for w in run0["windows"][:step] if w["epoch"] == 1 for ids in w["ids"] for i in ids}
+    done |= {
+        i
+        for r in ranks[1:]
+        for w in r["epochs"]["windows"][:step]
+        if w["epoch"] == 1
+        for ids in w["ids"]
+        for i in ids
+    }
+    rest = [i for w in rec.windows for ids in w["ids"] for i in ids]
+    assert sorted(done | set(rest)) == list(range(SCENARIOS["epochs"]["data"]["n"]))
+    assert not done & set(rest)
+
+
+def run_resume_on(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """`epochs`' 2-rank checkpoint resumed on `world` ranks (gloo_ranks.launch)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(spec["port"]),
+        OMP_NUM_THREADS="1",
+    )
+    warnings.simplefilter("ignore")
+    r = run("epochs", Path(spec["out"]), resume=spec["ckpt"], save_strategy="no")
+    return {
+        "lrs": [w["lr"] for w in r["windows"]],
+        "ids": [i for w in r["windows"] for ids in w["ids"] for i in ids],
+        "final_lr": r["final_lr"],
+        "global_step": r["global_step"],
+        "max_steps": r["max_steps"],
+    }
+
+
+@distributed
+def test_resume_on_three_ranks_ends_on_the_last_update(
+    ranks: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    run0 = ranks[0]["epochs"]
+    step = ranks[0]["resume1"]["from"]
+    spec = {
+        "port": free_port(),
+        "out": str(tmp_path),
+        "ckpt": str(Path(run0["root"]) / f"checkpoint-{step}"),
+    }
+    resumed = ok(launch_ranks("test_integration_hf:run_resume_on", 3, spec, tmp_path))
+    peak = SCENARIOS["epochs"]["args"]["learning_rate"]
+    for r in resumed:
+        assert r["lrs"] == resumed[0]["lrs"]
+        assert r["lrs"][0] == pytest.approx(run0["windows"][step]["lr"], rel=1e-12)
+        assert all(a > b for a, b in itertools.pairwise(r["lrs"]))
+        assert r["final_lr"] <= 1e-6 * peak
+        assert r["max_steps"] == r["global_step"]
+    done = {
+        i
+        for r in ranks
+        for w in r["epochs"]["windows"][:step]
+        if w["epoch"] == 1
+        for ids in w["ids"]
+        for i in ids
+    }
+    rest = [i for r in resumed for i in r["ids"]]
+    assert sorted([*done, *rest]) == list(range(SCENARIOS["epochs"]["data"]["n"]))
 
 
 # ---- the runnable example ------------------------------------------------------------------
@@ -592,11 +728,14 @@ def test_one_process_trains_whole_epochs_and_evaluates(tmp_path: Path) -> None:
     assert trainer.state.epoch == pytest.approx(2.0)
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     assert len(evals) == 2 and all(math.isfinite(x) for x in evals)
-    assert isinstance(trainer.lr_scheduler, hf.ClampedLR)
-    assert trainer.lr_scheduler.scheduler.last_epoch <= trainer._odb_schedule_steps
-    # The progress bar was sized to the schedule, not to the Trainer's step cap.
-    assert rec.bar_totals and rec.bar_totals[0] == trainer._odb_schedule_steps
-    assert trainer.state.max_steps == 2 * (math.ceil(24 / 2) + 1)  # a cap no epoch reaches
+    assert isinstance(trainer.lr_scheduler, ProgressLR)
+    assert trainer.lr_scheduler.get_last_lr()[0] <= 1e-9  # cosine to 0 on the last update
+    # The progress bar shows the planned total (the loader's central estimate), not
+    # the Trainer's step cap (2 x 13); at the end state.max_steps is the real count.
+    planned = trainer._odb_planned_updates
+    assert rec.bar_totals and rec.bar_totals[0] == planned
+    assert abs(planned - out.global_step) <= 2, (planned, out.global_step)
+    assert trainer.state.max_steps == out.global_step
 
 
 def test_checkpoint_without_loader_state_is_rejected(tmp_path: Path) -> None:

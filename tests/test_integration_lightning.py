@@ -11,7 +11,11 @@ group initialised). In each rank, one `ODBTrainer` fit per case:
   (rank 1 runs dry and pads), fully masked samples, `causal_lm_loss`;
 - `resume`: accumulation 2; a `ModelCheckpoint(every_n_train_steps=2)` run that
   stops after that checkpoint, then a fresh Trainer/DataModule/model resumed with
-  `trainer.fit(..., ckpt_path=...)` to the end of the epoch.
+  `trainer.fit(..., ckpt_path=...)` to the end of the epoch;
+- `lr_g1`, `lr_g2`, `lr_resume`: SGD at a real learning rate under a `ProgressLR`
+  returned from `configure_optimizers` (interval "step"), 2 epochs: it ends at its
+  final value on the last update; `lr_resume` stops at a checkpoint inside epoch
+  1, resumed on 2 ranks here and on 1 and 3 ranks by `run_lr_resume`.
 
 The optimizer is SGD with lr=0, so the parameters stay at their seeded init and
 the gradient of every optimizer window (recorded in `on_before_optimizer_step`,
@@ -23,6 +27,7 @@ metadata it pops.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -41,6 +46,8 @@ pytest.importorskip("lightning")
 
 import lightning.pytorch as pl  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from gloo_ranks import launch as launch_ranks  # noqa: E402
+from gloo_ranks import ok  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from sft_support import (  # noqa: E402
@@ -63,7 +70,8 @@ from odb_core.integrations.lightning import (  # noqa: E402
     check_lightning_version,
     lightning_loss,
 )
-from odb_core.torch import causal_lm_loss, pop_step_meta, scaled_loss  # noqa: E402
+from odb_core.schedule import Schedule  # noqa: E402
+from odb_core.torch import ProgressLR, causal_lm_loss, pop_step_meta, scaled_loss  # noqa: E402
 from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -115,6 +123,34 @@ CASES: dict[str, dict[str, Any]] = {
             "tokens_per_update": 160,
         },
     },
+    # a progress-driven schedule (ProgressLR) at a real learning rate
+    "lr_g1": {
+        "data": {"n": 40, "seed": 6},
+        "collate": "padded",
+        "loss": "hf",
+        "epochs": 2,
+        "accumulate": 1,
+        "schedule": {"shape": "linear"},
+        "loader": {"cost_model": "padded", "token_budget": 256, "shuffle": True, "seed": 3},
+    },
+    "lr_g2": {
+        "data": {"n": 40, "seed": 7},
+        "collate": "padded",
+        "loss": "hf",
+        "epochs": 2,
+        "accumulate": 2,
+        "schedule": {"shape": "cosine", "warmup": 0.2},
+        "loader": {"cost_model": "padded", "token_budget": 160, "shuffle": True, "seed": 4},
+    },
+    "lr_resume": {
+        "data": {"n": 40, "seed": 8},
+        "collate": "padded",
+        "loss": "hf",
+        "epochs": 2,
+        "accumulate": 2,
+        "schedule": {"shape": "linear"},
+        "loader": {"cost_model": "padded", "token_budget": 160, "shuffle": True, "seed": 6},
+    },
     # a checkpoint at the end of epoch 0, resumed into epoch 1
     "resume_end": {
         "data": {"n": 40, "seed": 4},
@@ -149,9 +185,14 @@ def _with_ids(collate: Any) -> Any:
 COLLATES = {"padded": _with_ids(pad_collate), "packed": _with_ids(pack_collate)}
 
 
+PEAK = 1e-3
+LR_RESUME_AT = 5  # optimizer steps before the checkpoint of lr_resume (inside epoch 1)
+
+
 class SFT(pl.LightningModule):
-    def __init__(self, loss: str, manual: bool = False) -> None:
+    def __init__(self, loss: str, manual: bool = False, schedule: Any = None) -> None:
         super().__init__()
+        self.schedule = schedule
         self.model = tiny_llama(seed=0)
         self.loss_kind = loss
         self.automatic_optimization = not manual
@@ -200,7 +241,12 @@ class SFT(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         self.estimate = self.trainer.estimated_stepping_batches
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+        if self.schedule is None:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+        opt = torch.optim.SGD(self.parameters(), lr=PEAK)
+        dm = self.trainer.datamodule
+        sched = ProgressLR(opt, dm, epochs=self.trainer.max_epochs, **self.schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class Recorder(Callback):
@@ -213,6 +259,8 @@ class Recorder(Callback):
         self.naive_done: list[int] | None = None
         self.num_training_batches: Any = None
         self.checked_states = 0
+        self.lrs: list[float] = []  # the rate each optimizer step used
+        self.progress: list[float] = []  # the run's progress once its window is done
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.num_training_batches = trainer.num_training_batches
@@ -220,6 +268,9 @@ class Recorder(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         self.grads.append(flat_grad(pl_module.model))
         self.steps_at_grad.append(len(pl_module.steps) - 1)
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+        if pl_module.schedule is not None:
+            self.progress.append(trainer.datamodule.run_progress.fraction(trainer.max_epochs))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
         # the checkpoint state, checked against a per-step snapshot (_verify_states)
@@ -232,12 +283,14 @@ class Recorder(Callback):
             trainer.should_stop = True
 
 
-def _trainer(case: dict[str, Any], root: Path, callbacks: list[Any]) -> pl.Trainer:
+def _trainer(
+    case: dict[str, Any], root: Path, callbacks: list[Any], world: int = WORLD
+) -> pl.Trainer:
     return ODBTrainer(
         accelerator="cpu",
-        devices=WORLD,
+        devices=world,
         num_nodes=1,
-        strategy=DDPStrategy(process_group_backend="gloo"),
+        strategy=DDPStrategy(process_group_backend="gloo") if world > 1 else "auto",
         max_epochs=case["epochs"],
         accumulate_grad_batches=case["accumulate"],
         logger=False,
@@ -270,6 +323,7 @@ def _fit(
     ckpt_path: str | None = None,
     epoch_ckpt: bool = False,
     max_epochs: int | None = None,
+    world: int = WORLD,
 ) -> dict[str, Any]:
     recorder = Recorder(stop_at)
     callbacks: list[Any] = [recorder]
@@ -281,11 +335,15 @@ def _fit(
         callbacks.append(ModelCheckpoint(dirpath=str(root / "ckpt"), save_top_k=-1))
     if max_epochs is not None:
         case = {**case, "epochs": max_epochs}
-    trainer = _trainer(case, root, callbacks)
-    module = SFT(case["loss"], manual=case.get("manual", False))
+    trainer = _trainer(case, root, callbacks, world)
+    module = SFT(case["loss"], manual=case.get("manual", False), schedule=case.get("schedule"))
     dm = _datamodule(case)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    configs = trainer.lr_scheduler_configs
     return {
+        "lrs": recorder.lrs,
+        "progress": recorder.progress,
+        "final_lr": float(configs[0].scheduler.get_last_lr()[0]) if configs else None,
         "steps": module.steps,
         "grads": torch.stack(recorder.grads) if recorder.grads else torch.zeros(0),
         "steps_at_grad": recorder.steps_at_grad,
@@ -335,6 +393,16 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
         second = _fit(case, root / "resume_end2", ckpt_path=str(ckpt))
         result["resume_end"] = {"first": first, "second": second, "ckpt": ckpt.name}
         result["times"]["resume_end"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for name in ("lr_g1", "lr_g2"):
+            result[name] = _fit(CASES[name], root / name)
+        case = CASES["lr_resume"]
+        first = _fit(case, root / "lr_resume", stop_at=LR_RESUME_AT)
+        torch.distributed.barrier()
+        (ckpt,) = sorted((root / "lr_resume" / "ckpt").glob("*.ckpt"))
+        second = _fit(case, root / "lr_resume2", ckpt_path=str(ckpt))
+        result["lr_resume"] = {"first": first, "second": second, "ckpt": str(ckpt)}
+        result["times"]["lr"] = time.perf_counter() - t0
         torch.save(result, Path(out, f"rank{rank}.pt"))
     except BaseException:
         Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
@@ -429,6 +497,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out[name] = {
             part: Run([r[name][part] for r in per_rank], case, ref) for part in ("first", "second")
         }
+    out["lr"] = {name: [r[name] for r in per_rank] for name in ("lr_g1", "lr_g2", "lr_resume")}
     print(f"\nlightning launch {time.perf_counter() - t0:.1f}s; per case {per_rank[0]['times']}")
     return out
 
@@ -507,6 +576,93 @@ def test_estimated_stepping_batches_has_a_value(runs: dict[str, Any]) -> None:
     for name in ("epochs", "accum2", "manual"):
         run = runs[name]
         assert run.raw[0]["global_step"] <= run.raw[0]["estimate"], name
+
+
+# ---- learning-rate schedules on the run's progress -----------------------------------------
+
+
+def _progress_of(steps: list[dict[str, Any]], n: int, epochs: int) -> list[float]:
+    """The run's progress after each optimizer window, from the steps' own in-band
+    metadata (global samples), independently of the adapter."""
+    out, done, epoch = [], 0, 0
+    for row in steps:
+        if row["epoch"] != epoch:
+            epoch, done = row["epoch"], 0
+        done += row["global_samples"]
+        if row["sync"]:
+            out.append((epoch * n + done) / (epochs * n))
+    return out
+
+
+def _rates_follow_progress(
+    run: dict[str, Any], name: str, before_run: list[dict[str, Any]] | None = None
+) -> None:
+    """The adapter's progress is the one of the batch that trained (not of the one
+    Lightning prefetched), and each update used the rate of the progress after the
+    update before it."""
+    case = CASES[name]
+    earlier = before_run or []
+    progress = _progress_of(earlier + run["steps"], case["data"]["n"], case["epochs"])
+    skip = len(progress) - len(run["lrs"])
+    assert run["progress"] == pytest.approx(progress[skip:], abs=1e-15)
+    before = [0.0, *progress][skip:-1]
+    want = [PEAK * Schedule(**case["schedule"]).multiplier(p) for p in before]
+    assert run["lrs"] == pytest.approx(want, abs=1e-15)
+
+
+@pytest.mark.parametrize("name", ["lr_g1", "lr_g2"])
+def test_progress_lr_ends_on_the_last_update(runs: dict[str, Any], name: str) -> None:
+    per_rank = runs["lr"][name]
+    for r in per_rank:
+        assert r["lrs"] == per_rank[0]["lrs"]
+        assert len(r["lrs"]) == r["global_step"] >= 4
+        assert r["progress"][-1] == 1.0
+        assert r["final_lr"] <= 1e-6 * PEAK
+        _rates_follow_progress(r, name)
+    assert per_rank[0]["lrs"][0] == (PEAK if name == "lr_g1" else 0.0)
+
+
+def test_progress_lr_resumed_on_two_ranks(runs: dict[str, Any]) -> None:
+    for r in runs["lr"]["lr_resume"]:
+        first, second = r["first"], r["second"]
+        assert len(first["lrs"]) == LR_RESUME_AT
+        assert first["progress"][-1] > 0.5, "the checkpoint should be inside epoch 1"
+        assert second["lrs"][0] == pytest.approx(first["final_lr"], rel=1e-12)
+        rates = first["lrs"] + second["lrs"]
+        assert all(a > b for a, b in itertools.pairwise(rates))
+        assert second["final_lr"] <= 1e-6 * PEAK
+        _rates_follow_progress(second, "lr_resume", first["steps"])
+
+
+def run_lr_resume(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Resume `lr_resume`'s 2-rank checkpoint on `world` ranks (gloo_ranks.launch)."""
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(spec["port"]),
+    )
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    out = _fit(CASES["lr_resume"], Path(spec["root"]), ckpt_path=spec["ckpt"], world=world)
+    return {k: out[k] for k in ("lrs", "progress", "final_lr", "global_step", "steps")}
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_progress_lr_resumed_at_another_world_size(
+    runs: dict[str, Any], world: int, tmp_path: Path
+) -> None:
+    first = runs["lr"]["lr_resume"][0]["first"]
+    spec = {"ckpt": runs["lr"]["lr_resume"][0]["ckpt"], "root": str(tmp_path), "port": free_port()}
+    resumed = ok(launch_ranks("test_integration_lightning:run_lr_resume", world, spec, tmp_path))
+    for r in resumed:
+        assert r["lrs"] == resumed[0]["lrs"]
+        assert r["lrs"][0] == pytest.approx(first["final_lr"], rel=1e-12)
+        assert r["final_lr"] <= 1e-6 * PEAK
+    # Every rank's share of the resumed steps, merged into one global sequence: rank
+    # 0's rows carry the global counts, the same on every rank.
+    _rates_follow_progress(resumed[0], "lr_resume", first["steps"])
 
 
 # ---- gradients ------------------------------------------------------------------------------

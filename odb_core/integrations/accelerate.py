@@ -44,10 +44,11 @@ What Accelerate 1.16 does, and what the adapter does about it:
   `prepare_odb_loader` in the same order in the run that loads (Accelerate
   numbers registered objects), and do not call `accelerator.skip_first_batches`:
   the loader resumes after the last batch it yielded before the save.
-- Length: `len(train)` is the loader's upper estimate of the epoch's steps (for an
-  LR schedule: `ceil(len(train) / G)` optimizer steps per epoch, and Accelerate's
-  scheduler steps `num_processes` times per optimizer step unless
-  `split_batches=True`). The loop ends when the loader ends the epoch.
+- Length: `len(train)` is the loader's upper estimate of an epoch's steps (the same
+  every epoch); the loop ends when the loader ends the epoch. For the LR schedule,
+  `ProgressLR(optimizer, train, epochs=...)` runs on `train.run_progress`, the run's
+  exact progress: Accelerate's prepared scheduler steps it `num_processes` times per
+  update (unless `split_batches=True`), which it does not notice.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from accelerate.utils import DistributedType, send_to_device  # type: ignore[imp
 
 from odb_core.errors import ConfigError
 from odb_core.integrations.versions import extra_range, in_range
+from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
 
 __all__ = [
@@ -215,6 +217,12 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
         """The loader's upper estimate of the epoch's steps; an epoch may differ, and
         iteration ends when the loader ends the epoch, not at this count."""
         return len(self.loader)
+
+    @property
+    def run_progress(self) -> RunProgress:
+        """The loader's run progress (no lookahead here: its last batch is the one in
+        training), the clock of `ProgressLR(optimizer, train, epochs=...)`."""
+        return self.loader.run_progress
 
     def __iter__(self) -> Iterator[Any]:
         _check_accumulation(self.accelerator)

@@ -22,10 +22,14 @@ through overridable methods and a callback; nothing in transformers is patched):
   gives the loop a per-epoch cap that no epoch can reach (one step per sample),
   and the epoch ends when the loader's does (`get_batch_samples` sees the end and
   sets `should_epoch_stop`); training stops after `num_train_epochs` loader
-  epochs (`should_training_stop`). The LR schedule and the progress bar are sized
-  from the loader's upper step estimate (`loader.steps_estimate().upper`), and
-  the schedule is clamped (`ClampedLR`): it never steps past its end.
-  `max_steps > 0` keeps its meaning: stop after that many optimizer steps.
+  epochs (`should_training_stop`). `lr_scheduler_type` (linear, cosine, constant,
+  constant_with_warmup, cosine_with_min_lr) runs as a `ProgressLR` on the run's
+  exact progress (hf_lr.py), so it ends on the last update; another type is sized
+  from the loader's upper step estimate and clamped (`ClampedLR`: it never steps
+  past its end). `state.max_steps` and the progress bar show the planned total
+  (the loader's estimate before any epoch), raised when the run outlasts it and
+  set to the real count at the end. `max_steps > 0` keeps its meaning: stop after
+  that many optimizer steps (the Trainer's own schedule, sized to them).
 - **Windows.** `gradient_accumulation_steps=G` becomes the loader's
   `grad_accum_steps=G`, so the loader decides the windows (G steps from the
   epoch start, the epoch's last one shorter). `get_batch_samples` hands the loop
@@ -78,8 +82,11 @@ from transformers.trainer_utils import (
 
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
+from odb_core.integrations.hf_lr import progress_schedule
 from odb_core.integrations.versions import extra_range, in_range
-from odb_core.torch import ODBDataLoader
+from odb_core.progress import RunProgress
+from odb_core.schedule import TokenScaling
+from odb_core.torch import ODBDataLoader, ProgressLR
 from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, step_meta
 
 __all__ = [
@@ -121,6 +128,9 @@ _OWNED = {
     "with_step_info": "the trainer reads the metadata carried in each batch",
     "step_meta": "the trainer reads the metadata carried in each batch",
 }
+
+#: ODBArguments fields for the trainer, not the loader.
+_TRAINER_FIELDS = ("loader_kwargs", "lr_tokens")
 
 _warned: set[str] = set()
 
@@ -194,6 +204,7 @@ class ODBArguments:
     label_shift: int | None = None
     peer_timeout: float | None = None
     cost_fn: Callable[[Any], Any] | None = None
+    lr_tokens: TokenScaling | None = None
     loader_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -218,7 +229,7 @@ class ODBArguments:
         opts = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name != "loader_kwargs" and getattr(self, f.name) is not None
+            if f.name not in _TRAINER_FIELDS and getattr(self, f.name) is not None
         }
         for key, value in self.loader_kwargs.items():
             if key in _OWNED:
@@ -316,11 +327,15 @@ class ODBTrainer(Trainer):
         self._odb_resume_dir: str | None = None
         self._odb_saved_schedule: int | None = None
         self._odb_schedule_steps: int | None = None
+        self._odb_saved_plan: int | None = None
+        self._odb_planned_updates: int | None = None  # state.max_steps, the planned total
         self._odb_target_epochs: int | None = None
         self._odb_epoch_steps_estimate = 0
         self._check_args()
         self._check_train_dataset(self.train_dataset)
-        self.add_callback(_ODBCallback(self))
+        # First in line: its on_step_end keeps state.max_steps ahead of global_step
+        # before DefaultFlowCallback would stop training there.
+        self.callback_handler.callbacks.insert(0, _ODBCallback(self))
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -349,6 +364,12 @@ class ODBTrainer(Trainer):
             )
         if args.max_steps <= 0:
             self._whole_epochs(args.num_train_epochs)
+        elif self.odb_args.lr_tokens is not None:
+            raise ConfigError(
+                f"odb lr_tokens with max_steps={args.max_steps}: the token-aware rate rides "
+                "on the progress-driven schedule of an epoch run; set num_train_epochs and "
+                "max_steps=-1"
+            )
         default = _field_default(TrainingArguments, "per_device_train_batch_size")
         if args.per_device_train_batch_size != default:
             _warn_once(
@@ -414,7 +435,7 @@ class ODBTrainer(Trainer):
         )
         self.odb_loader = loader
         self._odb_batches = _TrainBatches(loader)
-        self._odb_saved_schedule = None
+        self._odb_saved_schedule = self._odb_saved_plan = None
         if self._odb_resume_dir is not None:
             self._load_odb_state(self._odb_resume_dir)
         return self._odb_batches
@@ -453,7 +474,7 @@ class ODBTrainer(Trainer):
             max_steps = args.max_steps
             epochs = sys.maxsize
             per_epoch = math.ceil(bound / accum) + 1 if sized else max_steps
-            schedule = max_steps
+            schedule = planned = max_steps
         else:
             assert estimate is not None  # the Trainer rejects an unsized dataset without max_steps
             epochs = self._whole_epochs(args.num_train_epochs)
@@ -461,7 +482,11 @@ class ODBTrainer(Trainer):
             per_epoch = math.ceil(bound / accum) + 1
             max_steps = epochs * per_epoch
             schedule = self._odb_saved_schedule or epochs * math.ceil(estimate.upper / accum)
+            planned = self._odb_saved_plan or epochs * math.ceil(
+                loader.planned_steps().steps / accum
+            )
         self._odb_schedule_steps = schedule
+        self._odb_planned_updates = planned
         if estimate is not None:
             log.info(
                 "odb: an epoch is estimated at %d steps (upper %d; %s); LR schedule and "
@@ -488,8 +513,45 @@ class ODBTrainer(Trainer):
             max_steps,
         )
 
+    @property
+    def run_progress(self) -> RunProgress:
+        """The loader's run progress (the Trainer fetches a whole window and trains it
+        before the next, so the loader's last batch is the one in training)."""
+        if self.odb_loader is None:
+            raise ODBError("run_progress before get_train_dataloader built the loader")
+        return self.odb_loader.run_progress
+
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """The Trainer's schedule, sized to the estimated optimizer steps and clamped."""
+        """`lr_scheduler_type` on the run's exact progress (`ProgressLR`) when the run is
+        a number of epochs and the type has a progress form (hf_lr.py); otherwise the
+        Trainer's schedule, sized to the estimated optimizer steps and clamped."""
+        if self.lr_scheduler is None and self._odb_target_epochs is not None:
+            args = self.args
+            schedule = progress_schedule(
+                args.lr_scheduler_type,
+                warmup_steps=args.warmup_steps,
+                scheduler_kwargs=args.lr_scheduler_kwargs,
+                learning_rate=args.learning_rate,
+                planned_updates=max(1, self._odb_planned_updates or num_training_steps),
+            )
+            if schedule is not None:
+                self.lr_scheduler = ProgressLR(  # type: ignore[assignment]
+                    cast(torch.optim.Optimizer, optimizer or self.optimizer),
+                    self,
+                    epochs=self._odb_target_epochs,
+                    shape=schedule.shape,
+                    warmup=schedule.warmup,
+                    final=schedule.final,
+                    tokens=self.odb_args.lr_tokens,
+                )
+                return self.lr_scheduler
+            if self.odb_args.lr_tokens is not None:
+                raise ConfigError(
+                    f"odb lr_tokens needs a progress-driven schedule; lr_scheduler_type="
+                    f"{args.lr_scheduler_type!r} with lr_scheduler_kwargs="
+                    f"{args.lr_scheduler_kwargs!r} has none (use linear, cosine, constant, "
+                    "constant_with_warmup or cosine_with_min_lr)"
+                )
         created = self.lr_scheduler is None
         steps = self._odb_schedule_steps or num_training_steps
         scheduler = super().create_scheduler(steps, optimizer)
@@ -554,6 +616,7 @@ class ODBTrainer(Trainer):
             self._odb_batches.finished = True
         control, args, state = self.control, self.args, self.state
         control.should_training_stop = True
+        state.max_steps = state.global_step  # the plan was an estimate; this is the run
         # What DefaultFlowCallback does when global_step reaches max_steps.
         step = state.global_step
         if (
@@ -669,6 +732,7 @@ class ODBTrainer(Trainer):
                 folder / TRAINER_STATE,
                 {
                     "schedule_steps": self._odb_schedule_steps,
+                    "planned_updates": self._odb_planned_updates,
                     "num_train_epochs": self._odb_target_epochs,
                     "world_size": loader.world_size,
                     "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
@@ -698,6 +762,11 @@ class ODBTrainer(Trainer):
             saved = json.loads(meta_file.read_text())
             if saved.get("schedule_steps"):
                 self._odb_saved_schedule = int(saved["schedule_steps"])
+            # A plan for another number of epochs (a run extended on resume) is replanned.
+            if saved.get("planned_updates") and saved.get("num_train_epochs") == (
+                self.args.num_train_epochs if self.args.max_steps <= 0 else None
+            ):
+                self._odb_saved_plan = int(saved["planned_updates"])
         if _closed(loader) and self._odb_batches is not None:
             # Saved at an epoch's end: that epoch counts as done.
             done = _finished_epoch(loader) + 1
@@ -707,31 +776,33 @@ class ODBTrainer(Trainer):
 
 
 class _ODBCallback(TrainerCallback):
-    """Keeps the Trainer's progress bar, fractional logging/eval/save steps and
-    `state.epoch` on the loader's epochs and the estimated optimizer steps."""
+    """Keeps `state.max_steps` (and so the progress bar) at the run's planned
+    optimizer updates (raised when the run outlasts it, set to the real count at
+    the end), fractional logging/eval/save steps on it, and `state.epoch` on the
+    loader's epochs."""
 
     def __init__(self, trainer: ODBTrainer) -> None:
         self.trainer = trainer
 
     def _total(self) -> int | None:
         t = self.trainer
-        return t._odb_schedule_steps if t._odb_target_epochs is not None else None
+        return t._odb_planned_updates if t._odb_target_epochs is not None else None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         total = self._total()
         if total is None:
             return
+        # The planned total (the progress bar's, which ProgressCallback builds after this).
+        state.max_steps = max(total, state.global_step + 1)
         fractions = [getattr(args, f"{k}_steps", None) for k in ("logging", "eval", "save")]
         if any(f is not None and 0 < f < 1 for f in fractions):
             state.compute_steps(args, total)
-        for cb in self.trainer.callback_handler.callbacks:
-            bar = getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
-            if bar is not None:
-                bar.total = max(total, state.global_step)
-                bar.refresh()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
+        if t._odb_target_epochs is not None and state.global_step >= state.max_steps:
+            # The run outlasts its planned total: the epochs, not the plan, end it.
+            state.max_steps = state.global_step + 1
         loader, infos = t.odb_loader, t.odb_window_info
         if loader is not None and infos and infos[-1] is not None:
             done = infos[-1].step + 1
@@ -739,8 +810,8 @@ class _ODBCallback(TrainerCallback):
             state.epoch = loader.epoch + fraction
         for cb in t.callback_handler.callbacks:
             bar = getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
-            if bar is not None and bar.total is not None and bar.n > bar.total:
-                bar.total = bar.n
+            if bar is not None and bar.total is not None and bar.total < state.max_steps:
+                bar.total = state.max_steps
                 bar.refresh()
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -38,6 +38,9 @@ What Lightning does, and what the adapter does about it (Lightning 2.6):
 - `trainer.estimated_stepping_batches` reads the length, so Lightning reports
   `max_steps` (-1); `ODBTrainer` (or `estimated_stepping_batches(trainer)`) sizes it
   from the loader's upper estimate instead. `ODBProgressBar` shows the estimate.
+- LR schedules: `ProgressLR(opt, datamodule, epochs=...)` in `configure_optimizers`
+  (interval "step"); `ODBDataModule.run_progress` is the loader's progress as of
+  the batch that is training, not of the one Lightning prefetched.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from torch.utils.data import DataLoader
 
 from odb_core.errors import ConfigError, ODBError, ODBPeerError
 from odb_core.integrations.versions import extra_range, in_range
+from odb_core.progress import RunProgress
 from odb_core.protocol import StepInfo
 from odb_core.resume import STATE_VERSION, seal
 from odb_core.torch import ODBDataLoader, StepMeta, step_meta
@@ -356,6 +360,19 @@ class ODBDataModule(pl.LightningDataModule):
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, ODBCallback) for cb in callbacks):
             callbacks.append(self._callback)
+
+    # ---- progress ----
+
+    @property
+    def run_progress(self) -> RunProgress:
+        """The loader's run progress as of the batch that is training (Lightning has
+        prefetched the next one), the clock of `ProgressLR(optimizer, datamodule,
+        epochs=...)`: read in `configure_optimizers` via `self.trainer.datamodule`."""
+        loader = self.loader
+        last, trained = self._last, self._trained
+        if last is None or trained == last.step:
+            return loader.run_progress
+        return loader.progress_after(trained)  # None: the pass's first batch is prefetched
 
     # ---- estimates ----
 

@@ -22,12 +22,15 @@ from odb_core.torch.meta import (
     scaled_loss,
     step_meta,
 )
+from odb_core.torch.profile import sample_profile
+from odb_core.torch.schedule import ProgressLR
 from odb_core.torch.source import SampleLoadError
 from odb_core.torch.state import merge_states
 
 __all__ = [
     "STEP_META_KEY",
     "ODBDataLoader",
+    "ProgressLR",
     "SampleLoadError",
     "StepMeta",
     "causal_lm_loss",
@@ -36,6 +39,7 @@ __all__ = [
     "pack_collate",
     "pad_collate",
     "pop_step_meta",
+    "sample_profile",
     "scale_loss",
     "scaled_loss",
     "step_meta",

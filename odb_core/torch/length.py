@@ -1,12 +1,13 @@
-"""The loader's length: an estimate of the epoch's steps, for LR schedules and
-progress bars, and the realised counts of finished epochs.
+"""The loader's length: an estimate of the epoch's steps, for progress bars and
+planned totals, and the realised counts of finished epochs.
 
 The estimate is the core's (`odb_core.estimate`): the rank machine forms batches
 from bootstrap draws of `COST_SAMPLE` measured samples, picked by a fixed seed,
 so every rank reads the same samples and gets the same figure. They are read
 once, in the main process, the first time a length is asked for; a trainer
-that never asks pays nothing. Once epochs have finished, their realised counts
-refine it.
+that never asks pays nothing. The first estimate (`planned`) is kept as made, so
+`len(loader)` is stable; once epochs have finished, their realised counts refine
+`steps_estimate()`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ class EpochLength:
             )
         return update(self._first, list(self.realised.values()))
 
+    @property
+    def planned(self) -> StepsEstimate | None:
+        """The estimate made before any epoch ran (None until asked for once)."""
+        return self._first
+
+    @property
+    def costs(self) -> list[Sample]:
+        """The measured samples the estimate is made from (empty until asked for)."""
+        return list(self._costs or ())
+
     def record(self, epoch: int, steps: int) -> None:
         self.realised[epoch] = steps
         if self._first is not None:
@@ -66,10 +77,14 @@ class EpochLength:
 
     def _sample(self, size: int, measure: Callable[[int], Sample]) -> list[Sample]:
         if self._costs is None:
-            k = min(COST_SAMPLE, size)
-            ids = random.Random(_SEED).sample(range(size), k)
-            self._costs = [measure(i) for i in ids]
+            self._costs = [measure(i) for i in cost_sample_ids(size)]
         return self._costs
+
+
+def cost_sample_ids(size: int) -> list[int]:
+    """The dataset indices measured for estimates and profiles: `COST_SAMPLE` of
+    them (all when fewer), picked by a fixed seed, the same on every rank."""
+    return random.Random(_SEED).sample(range(size), min(COST_SAMPLE, size))
 
 
 def shard_sizes(length: int, world: int) -> list[int]:

@@ -61,6 +61,7 @@ from odb_core.errors import ConfigError, ODBError, ResumeStateError
 from odb_core.estimate import StepsEstimate
 from odb_core.formers import FormerKind
 from odb_core.ledger import Ledgers, ages, ledger_ids, rank_order, without
+from odb_core.progress import ProgressTracker, RunProgress
 from odb_core.protocol import RankMachine, StepInfo
 from odb_core.resume import (
     EpochProgress,
@@ -70,6 +71,7 @@ from odb_core.resume import (
     merge,
     partition,
 )
+from odb_core.schedule import SampleProfile
 from odb_core.torch.length import EpochLength, shard_sizes
 from odb_core.torch.loss import scale_loss
 from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, TruncateFn, measure
@@ -398,6 +400,7 @@ class ODBDataLoader:
         self._length = EpochLength(self.config)
         self._next_window = 0  # the window a fresh protocol run would open next
         self._start: tuple[int, int, int] = (0, 0, 0)  # (step, emitted, window) of the run
+        self._progress = ProgressTracker()
         self._reset_progress()
 
     # ---- DataLoader surface ------------------------------------------------
@@ -478,10 +481,63 @@ class ODBDataLoader:
             return _EpochIterator(self, self._pipeline, self._serial)
 
     def __len__(self) -> int:
-        """An upper estimate of the epoch's steps (`steps_estimate().upper`), for LR
-        schedules and progress bars. The real count is decided online and may
-        exceed it: never cut an epoch at len()."""
-        return self.steps_estimate().upper
+        """An upper estimate of an epoch's steps, for progress bars: the estimate made
+        before any epoch ran (`planned_steps().upper`), so it does not change between
+        epochs for the same data, seed policy and world size. The real count is
+        decided online and may exceed it: never cut an epoch at len(), and drive an
+        LR schedule by `run_progress` (`odb_core.torch.ProgressLR`)."""
+        return self.planned_steps().upper
+
+    def planned_steps(self) -> StepsEstimate:
+        """The estimate of an epoch's steps made before any epoch ran (fixed for the
+        loader's life; `steps_estimate()` refines it with the realised counts)."""
+        self.steps_estimate()
+        planned = self._length.planned
+        assert planned is not None
+        return planned
+
+    @property
+    def run_progress(self) -> RunProgress:
+        """How much of the run is done, as of the last batch yielded (or a loaded
+        state not yet iterated): the samples and loss tokens of the epoch's closed
+        optimizer windows, the windows closed, out of the samples an epoch
+        consumes; the same on every rank. `run_progress.fraction(epochs)` is the
+        clock of `ProgressLR`."""
+        pending = self._resume
+        if pending is not None and pending.epoch == self.epoch:
+            return RunProgress(
+                epoch=self.epoch,
+                epoch_samples=self.epoch_samples,
+                samples=pending.emitted,
+                updates=pending.window,
+                closed=pending.closed,
+            )
+        return self._progress.progress(self.epoch, self.epoch_samples, closed=self._closed)
+
+    def progress_after(self, step: int | None) -> RunProgress:
+        """`run_progress` as of step `step` of the current pass (one of the last few
+        yielded; None: before its first), for a trainer that prefetches batches."""
+        return self._progress.after(step, self.epoch, self.epoch_samples)
+
+    @property
+    def epoch_samples(self) -> int:
+        """The samples one epoch consumes, all ranks together (0 when unknown: an
+        IterableDataset, or partition=False): the dataset's (or the sampler's)
+        length, capped by the quota in quota mode."""
+        if self._iterable or not self.partition:
+            return 0
+        source = self.sampler if self.sampler is not None else self.dataset
+        if not hasattr(source, "__len__"):
+            return 0
+        n = len(source)
+        quota = self.config.quota if self.config.mode is Mode.QUOTA else None
+        return n if quota is None else min(n, quota)
+
+    def sample_profile(self) -> SampleProfile:
+        """Mean cost and loss tokens per sample of the dataset, from the same seeded
+        sample of measured samples as the step estimate (map-style datasets only)."""
+        self.steps_estimate()
+        return SampleProfile.of(self._length.costs)
 
     def steps_estimate(self) -> StepsEstimate:
         """The estimated steps of the current (or next) epoch, the same on every rank:
@@ -496,7 +552,7 @@ class ODBDataLoader:
         size = len(self.dataset)
 
         def measure_one(i: int) -> Any:
-            return measure(self.dataset[i], i, self.cost_fn)
+            return measure(self.dataset[i], i, self.cost_fn, self.loss_tokens)
 
         return self._length.estimate(size, shard_sizes(size, self.world_size), measure_one)
 
@@ -710,6 +766,7 @@ class ODBDataLoader:
             if progress is None
             else (progress.start_step, progress.start_emitted, progress.start_window)
         )
+        self._progress.reset(samples=self._emitted, updates=self._next_window, closed=self._closed)
 
     def _exact(self, progress: EpochProgress) -> bool:
         """Resume exactly (replay) rather than only exactly-once: deterministic mode
@@ -724,6 +781,7 @@ class ODBDataLoader:
         self._done.update(info.sample_ids)
         # A fresh protocol run (a non-exact resume) opens a new window after this.
         self._next_window = info.window + 1
+        self._progress.record(info, last_of_epoch=item.last_of_epoch)
         if item.last_of_epoch:
             self._closed = True
             self._length.record(self.epoch, self._step)

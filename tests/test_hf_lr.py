@@ -1,0 +1,61 @@
+"""HF's lr_scheduler_type / warmup_steps / lr_scheduler_kwargs as a progress schedule
+(odb_core.integrations.hf_lr; no transformers needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from odb_core.errors import ConfigError
+from odb_core.integrations.hf_lr import progress_schedule
+from odb_core.schedule import Schedule, Shape
+
+
+def _map(kind: str, warmup: float = 0.0, kwargs: object = None) -> Schedule | None:
+    return progress_schedule(
+        kind, warmup_steps=warmup, scheduler_kwargs=kwargs, learning_rate=1e-3, planned_updates=40
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "warmup", "kwargs", "want"),
+    [
+        ("linear", 0.1, None, Schedule(Shape.LINEAR, warmup=0.1)),
+        ("cosine", 4, {}, Schedule(Shape.COSINE, warmup=0.1)),
+        ("constant", 4, None, Schedule(Shape.CONSTANT)),
+        ("constant_with_warmup", 10, None, Schedule(Shape.CONSTANT, warmup=0.25)),
+        ("cosine_with_min_lr", 0, {"min_lr": 1e-4}, Schedule(Shape.COSINE, final=0.1)),
+        ("cosine_with_min_lr", 0, {"min_lr_rate": 0.05}, Schedule(Shape.COSINE, final=0.05)),
+    ],
+)
+def test_types_with_a_progress_form(
+    kind: str, warmup: float, kwargs: object, want: Schedule
+) -> None:
+    got = _map(kind, warmup, kwargs)
+    assert got is not None
+    assert (got.shape, got.warmup) == (want.shape, want.warmup)
+    assert got.final == pytest.approx(want.final)
+
+
+@pytest.mark.parametrize(
+    ("kind", "kwargs"),
+    [
+        ("polynomial", None),
+        ("cosine_with_restarts", None),
+        ("inverse_sqrt", None),
+        ("reduce_lr_on_plateau", None),
+        ("cosine", {"num_cycles": 2.0}),
+        ("linear", {"power": 2}),
+        ("linear", '{"power": 2}'),
+    ],
+)
+def test_other_schedules_stay_the_trainers(kind: str, kwargs: object) -> None:
+    assert _map(kind, 0.0, kwargs) is None
+
+
+def test_bad_warmup_and_min_lr_are_named() -> None:
+    with pytest.raises(ConfigError, match="warmup_steps=40"):
+        _map("linear", 40)
+    with pytest.raises(ConfigError, match="warmup_steps=-1"):
+        _map("linear", -1)
+    with pytest.raises(ConfigError, match="min_lr=None, min_lr_rate=None"):
+        _map("cosine_with_min_lr", 0, {})
