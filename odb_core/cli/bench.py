@@ -88,13 +88,32 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--buffer-size", type=positive_int, default=None, help="odb-core window (default: its own)"
     )
     m.add_argument(
-        "--strategies", default=",".join(_STRATEGIES), help="comma-separated subset to run"
+        "--strategies",
+        default=None,
+        help="comma-separated subset to run (default: standard, grouped, gmt, odb-padded, "
+        "odb-packed, odb-ref; with --quality every strategy and recipe but odb-ref)",
+    )
+    q = p.add_argument_group(
+        "time to quality (--model ... --quality)",
+        "several epochs per strategy and seed (--repeats seeds, interleaved), held-out loss "
+        "every 1/4 epoch (evaluation time excluded), schedules that end on the last update",
+    )
+    q.add_argument("--quality", action="store_true", help="run the time-to-quality bench")
+    q.add_argument("--epochs", type=positive_int, default=None, help="epochs per run (3)")
+    q.add_argument(
+        "--regime",
+        choices=["scratch", "finetune"],
+        default="scratch",
+        help="finetune: each seed's model is first trained one epoch on another distribution",
+    )
+    q.add_argument(
+        "--pretrain-samples",
+        type=positive_int,
+        default=None,
+        help="samples of the finetune regime's first training (default: --samples)",
     )
     m.add_argument("--plot", default=None, metavar="FILE", help="throughput bars + timeline (PNG)")
     p.set_defaults(run=run)
-
-
-_STRATEGIES = ("standard", "gmt", "odb-padded", "odb-packed", "odb-ref")
 
 
 def run_model(args: argparse.Namespace) -> int:
@@ -102,7 +121,11 @@ def run_model(args: argparse.Namespace) -> int:
 
     if args.workers < 0:
         raise ValueError(f"--workers={args.workers!r} must be >= 0")
-    requested = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.strategies is None:
+        default = model_bench.QUALITY_DEFAULT if args.quality else model_bench.THROUGHPUT_DEFAULT
+        requested = list(default)
+    else:
+        requested = [s.strip() for s in args.strategies.split(",") if s.strip()]
     params = {
         "model": args.model,
         "ranks": args.ranks,
@@ -119,6 +142,11 @@ def run_model(args: argparse.Namespace) -> int:
         "strategies": requested,
         "requested": requested,
         "timeout": args.timeout or 3600,
+        "quality": args.quality,
+        "epochs": args.epochs or (3 if args.quality else 1),
+        "regime": args.regime,
+        "pretrain_samples": args.pretrain_samples or args.samples or 400,
+        "checkpoints": 4,
     }
     result = model_bench.run_bench(params)  # progress lines go to stderr
     if args.plot:
