@@ -39,6 +39,15 @@ def iter_quality_table(result: dict[str, Any]) -> Iterator[str]:
         )
 
 
+def _label(name: str, row: dict[str, Any]) -> str:
+    ratio = row["time_to_target_ratio"]
+    vs_grouped = row.get("time_to_target_ratio_vs_grouped")
+    if ratio is None:
+        return f"{name} (target not reached)"
+    extra = "" if vs_grouped is None else f", {vs_grouped:.2f}x grouped's"
+    return f"{name} (target at {ratio:.2f}x standard's time{extra})"
+
+
 def plot_quality(result: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -57,7 +66,7 @@ def plot_quality(result: dict[str, Any], path: str) -> None:
                 [c[2] for c in curve],
                 color=cmap(k % 10),
                 alpha=0.9 if seed == 0 else 0.35,
-                label=name if seed == 0 else None,
+                label=_label(name, q["strategies"][name]) if seed == 0 else None,
                 marker="." if seed == 0 else None,
             )
         if name == "standard":
@@ -66,7 +75,6 @@ def plot_quality(result: dict[str, Any], path: str) -> None:
         ax.axhline(target, color="k", ls=":", lw=1, label="standard's final (median)")
     ax.set_xlabel("training wall time, s (held-out evaluation excluded)")
     ax.set_ylabel("held-out loss per token")
-    ax.set_yscale("log")
     ax.legend(fontsize=8)
     p = result["params"]
     ax.set_title(

@@ -70,10 +70,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     m.add_argument("--model", default=None, help="llama-tiny, llama-small or llama-100m")
     m.add_argument(
-        "--max-len", type=positive_int, default=1024, help="longest sample in tokens (default 1024)"
+        "--max-len",
+        type=positive_int,
+        default=None,
+        help="longest sample in tokens (1024; 512 with --quality)",
     )
     m.add_argument(
-        "--budget", type=positive_int, default=4096, help="peak tokens per step and rank (4096)"
+        "--budget",
+        type=positive_int,
+        default=None,
+        help="peak tokens per step and rank (4096; 2048 with --quality)",
     )
     m.add_argument("--eval-samples", type=int, default=64, help="held-out samples (64)")
     m.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, fixed (1e-3)")
@@ -132,8 +138,8 @@ def run_model(args: argparse.Namespace) -> int:
         "workers": args.workers,
         "samples": args.samples or 400,
         "repeats": args.repeats,
-        "max_len": args.max_len,
-        "budget": args.budget,
+        "max_len": args.max_len or (512 if args.quality else 1024),
+        "budget": args.budget or (2048 if args.quality else 4096),
         "eval_samples": args.eval_samples,
         "lr": args.lr,
         "seed": args.seed,
