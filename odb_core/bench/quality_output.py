@@ -34,7 +34,8 @@ def iter_quality_table(result: dict[str, Any]) -> Iterator[str]:
         yield (
             f"| {name} | {r['train_wall_s']:.1f} | {r['final_held_out_loss']:.4f} | "
             f"{r['reached']}/{p['repeats']} | {_x(r['time_to_target_ratio'])} | "
-            f"{_x(r.get('time_to_target_ratio_vs_grouped'))} | {_pct(r['heldout_gap'])} | "
+            f"{_x(r['time_to_target_ratio_vs_grouped']) if 'heldout_gap_vs_grouped' in r else '-'}"
+            f" | {_pct(r['heldout_gap'])} | "
             f"{_pct(r.get('heldout_gap_vs_grouped'))} |"
         )
 

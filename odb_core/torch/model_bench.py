@@ -791,13 +791,12 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     if quality:
         from odb_core.bench.quality import summarise as quality_summary
 
-        base_alt = "grouped" if "grouped" in curves else "standard"
         result["quality"] = {
             "regime": params.get("regime", "scratch"),
             "epochs": epochs,
             "checkpoints_per_epoch": per_epoch_checks,
             "schedule": f"linear to 0 at the last update, warmup {WARMUP:g} of the run",
-            "strategies": quality_summary(curves, "standard", base_alt),
+            "strategies": quality_summary(curves, "standard", "grouped"),
         }
     return result
 
