@@ -70,6 +70,10 @@ def test_tiny_run_json(tmp_path: object) -> None:
         ),
         (["--model", "llama-tiny", "--regime", "finetune"], "need --quality"),
         (
+            ["--model", "llama-tiny", "--quality", "--lr", "nan"],
+            "--lr=nan must be a finite number > 0",
+        ),
+        (
             ["--model", "llama-tiny", "--strategies", "standard,odb-parity"],
             "strategy 'odb-parity' is a learning-rate recipe: it needs --quality",
         ),

@@ -66,7 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     m = p.add_argument_group(
         "real-model training (--model)",
         "train a LlamaForCausalLM built from a config (no download) with DDP, one epoch per "
-        "run: standard, gmt, odb-padded, odb-packed and odb-ref (when installed), interleaved",
+        "run: standard, grouped (HF group_by_length), gmt, odb-padded, odb-packed and odb-ref "
+        "(when installed), interleaved",
     )
     m.add_argument("--model", default=None, help="llama-tiny, llama-small or llama-100m")
     m.add_argument(
@@ -82,8 +83,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="peak tokens per step and rank (4096; 2048 with --quality)",
     )
     m.add_argument("--eval-samples", type=int, default=64, help="held-out samples (64)")
-    m.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, fixed (1e-3)")
-    m.add_argument("--seed", type=int, default=0, help="data and init seed")
+    m.add_argument(
+        "--lr",
+        type=float,
+        default=1e-3,
+        help="AdamW learning rate (1e-3): fixed; with --quality the peak of every schedule",
+    )
+    m.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="data and init seed (--quality: init and data order use seed + repeat)",
+    )
     m.add_argument(
         "--oversize",
         choices=["error", "solo", "truncate"],
@@ -118,7 +129,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="samples of the finetune regime's first training (default: --samples)",
     )
-    m.add_argument("--plot", default=None, metavar="FILE", help="throughput bars + timeline (PNG)")
+    m.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="throughput bars + timeline (PNG); with --quality: held-out loss vs wall time",
+    )
     p.set_defaults(run=run)
 
 

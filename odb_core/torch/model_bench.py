@@ -100,6 +100,9 @@ def validate(params: dict[str, Any]) -> list[str]:
             f"{params['max_len']}): no batch could hold it; raise the budget, lower "
             "--max-len, or pass --oversize solo|truncate"
         )
+    lr = params.get("lr", 1e-3)
+    if not (isinstance(lr, float | int) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"--lr={lr!r} must be a finite number > 0")
     if params["eval_samples"] < 1:
         raise ValueError(f"--eval-samples={params['eval_samples']} must be >= 1")
     if params.get("regime", "scratch") not in REGIMES:
