@@ -64,6 +64,15 @@ def test_a_strategy_that_misses_the_target_in_most_seeds_has_no_time() -> None:
     assert q["slow"]["heldout_gap"] == pytest.approx(2.3 / 2.2 - 1)
 
 
+def test_a_target_met_before_any_update() -> None:
+    flat = [[(0.0, 0, 2.0), (10.0, 1, 2.0)]]
+    late = [[(0.0, 0, 3.0), (10.0, 1, 2.0)]]
+    q = summarise({"standard": flat, "grouped": flat, "late": late})
+    assert q["grouped"]["time_to_target_ratio_vs_grouped"] == 1.0  # 0 s / 0 s
+    assert q["late"]["time_to_target_ratio"] == pytest.approx(1.0)
+    assert q["late"]["time_to_target_ratio_vs_grouped"] is None  # 10 s / 0 s
+
+
 def test_summary_needs_the_same_seeds_everywhere() -> None:
     curves = _curves()
     curves["fast"] = curves["fast"][:2]
@@ -78,7 +87,7 @@ def test_grouped_plan_is_hf_order_dealt_to_consecutive_ranks() -> None:
     from transformers.trainer_pt_utils import get_length_grouped_indices
 
     from odb_core.bench.grouped import grouped_plan
-    from odb_core.torch.model_bench import lengths
+    from odb_core.bench.workload import lengths
 
     lens = lengths(203, 256, seed=1)
     plan = grouped_plan(lens, 4, world=2, seed=7)

@@ -116,8 +116,11 @@ def test_budget_check_respects_oversize() -> None:
 
 
 def test_gmt_plan_cuts_at_the_budget_and_deals_every_id() -> None:
-    lens = model_bench.lengths(200, 256, seed=3)
-    plan = model_bench._gmt_plan(lens, 512, world=2, seed=0)
+    from odb_core.bench.gmt import gmt_plan
+    from odb_core.bench.workload import lengths
+
+    lens = lengths(200, 256, seed=3)
+    plan = gmt_plan(lens, 512, world=2, seed=0)
     batches = [b for rank in plan for b in rank]
     assert sorted(i for b in batches for i in b) == list(range(200))
     assert all(len(b) * max(lens[i] for i in b) <= 512 for b in batches)

@@ -39,7 +39,11 @@ def _median(values: Sequence[float | None]) -> float | None:
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b <= 0 else a / b
+    if a is None or b is None:
+        return None
+    if b <= 0:  # the baseline was at the target before any update
+        return 1.0 if a <= 0 else None
+    return a / b
 
 
 def summarise(

@@ -139,6 +139,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run_model(args: argparse.Namespace) -> int:
+    from odb_core.bench import model_output
     from odb_core.torch import model_bench
 
     if args.workers < 0:
@@ -172,11 +173,11 @@ def run_model(args: argparse.Namespace) -> int:
     }
     result = model_bench.run_bench(params)  # progress lines go to stderr
     if args.plot:
-        model_bench.plot(result, args.plot)
+        model_output.plot(result, args.plot)
     if args.json:
         print(json.dumps(result))
     else:
-        for line in model_bench.iter_table(result):
+        for line in model_output.iter_table(result):
             print(line)
     return 0 if result["ok"] else 1
 

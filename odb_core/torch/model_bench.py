@@ -37,26 +37,20 @@ import importlib.util
 import json
 import math
 import os
-import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
 
+from odb_core.bench.gmt import gmt_plan
 from odb_core.bench.recipes import RECIPES
+from odb_core.bench.workload import MIN_LEN, SIZES, BenchCollate, LongTailText, build_model
 
-# (layers, hidden, intermediate, heads, kv heads, vocab)
-SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
-    "llama-tiny": (2, 128, 256, 4, 2, 1024),
-    "llama-small": (4, 256, 688, 8, 4, 4096),
-    "llama-100m": (12, 768, 2048, 12, 4, 32000),
-}
 STRATEGIES = (
     "standard",
     "grouped",
@@ -73,8 +67,6 @@ THROUGHPUT_DEFAULT = ("standard", "grouped", "gmt", "odb-padded", "odb-packed", 
 QUALITY_DEFAULT = tuple(s for s in STRATEGIES if s != "odb-ref")
 REGIMES = ("scratch", "finetune")
 WARMUP = 0.05  # of the run, every --quality schedule (linear to 0 at the last update)
-MIN_LEN = 16
-PROMPT_SHARE = 4  # the first len // 4 tokens are a masked prompt
 
 
 def odb_ref_missing() -> str | None:
@@ -140,86 +132,6 @@ def validate(params: dict[str, Any]) -> list[str]:
     if not chosen:
         raise ValueError("no strategy to run")
     return chosen
-
-
-def lengths(n: int, max_len: int, seed: int) -> list[int]:
-    """Long-tailed (log-normal, median max_len / 8) lengths clipped to [16, max_len]."""
-    rng = random.Random(seed)
-    mu = math.log(max(MIN_LEN, max_len / 8))
-    return [max(MIN_LEN, min(max_len, int(rng.lognormvariate(mu, 1.0)))) for _ in range(n)]
-
-
-class LongTailText(Dataset[dict[str, Any]]):
-    """Map-style dataset; `__getitem__` does the preprocessing (token by token, a
-    tokeniser stand-in): a prompt of random words, then a response that follows a
-    per-sample rule a model can learn; labels mask the prompt."""
-
-    def __init__(self, n: int, max_len: int, vocab: int, seed: int, rule: int = 5) -> None:
-        self.lengths = lengths(n, max_len, seed)
-        self.vocab = vocab
-        self.seed = seed
-        self.rule = rule  # the response rule's multiplier: another value, another distribution
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-
-        n = self.lengths[i]
-        rng = random.Random(self.seed * 1_000_003 + i)
-        words = self.vocab - 4
-        step = 1 + rng.randrange(7)
-        prompt = n // PROMPT_SHARE
-        ids = [1 + rng.randrange(3)]
-        for t in range(1, n):
-            prev = ids[-1]
-            ids.append(
-                4 + rng.randrange(words) if t < prompt else 4 + (prev * self.rule + step) % words
-            )
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        labels = input_ids.clone()
-        labels[:prompt] = -100
-        return {"input_ids": input_ids, "labels": labels, "idx": i}
-
-
-class BenchCollate:
-    """The library's collator, plus the batch's ids and its own collate time."""
-
-    def __init__(self, packed: bool) -> None:
-        self.packed = packed
-
-    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-
-        from odb_core.torch.collate import pack_collate, pad_collate
-
-        start = time.perf_counter()
-        core = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
-        out: dict[str, Any] = pack_collate(core) if self.packed else pad_collate(core)
-        out["bench_ids"] = torch.tensor([int(s["idx"]) for s in samples], dtype=torch.long)
-        out["bench_collate_s"] = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        return out
-
-
-def build_model(size: str, max_len: int, seed: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from odb_core.torch.collate import use_packed_attention
-
-    layers, hidden, inter, heads, kv, vocab = SIZES[size]
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=max(2048, max_len),
-        tie_word_embeddings=True,
-        use_cache=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    return use_packed_attention(model)  # SDPA for padded rows, per-sample SDPA for packed
 
 
 # ---- the parent process ----------------------------------------------------------
@@ -341,23 +253,6 @@ class _Batches:
 
     def __len__(self) -> int:
         return len(self.batches)
-
-
-def _gmt_plan(lens: list[int], budget: int, world: int, seed: int) -> list[list[list[int]]]:
-    """Sort longest first, cut when n x max_len would pass the budget, shuffle the
-    batches (seeded), deal them round-robin; every rank's list of batches."""
-    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if cur and (len(cur) + 1) * lens[cur[0]] > budget:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    random.Random(seed).shuffle(batches)
-    return [batches[r::world] for r in range(world)]
 
 
 def _lengths_pass(ds: Any, rank: int, world: int) -> tuple[list[int], float]:
@@ -518,7 +413,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             for e in range(epochs):
                 ep_seed = seed + rep * epochs + e
                 if name == "gmt":
-                    plan = _gmt_plan(lens, budget, world, ep_seed)
+                    plan = gmt_plan(lens, budget, world, ep_seed)
                 else:
                     plan = grouped_plan(lens, fixed_batch, world, ep_seed)
                 if any(not p for p in plan):
@@ -912,113 +807,3 @@ def _report(
         ],
         "notes": [],
     }
-
-
-# ---- output ----------------------------------------------------------------------
-
-
-def iter_table(result: dict[str, Any]) -> Iterator[str]:
-    p = result["params"]
-    yield (
-        f"odb bench --model {p['model']}: {p['ranks']} gloo ranks (DDP, CPU), {p['samples']} "
-        f"samples up to {p['max_len']} tokens, budget {p['budget']} tokens/rank/step "
-        f"(standard batch {p['fixed_batch']}), {p['repeats']} interleaved repeats (medians)"
-    )
-    yield (
-        "| strategy | samples/s | tokens/s | padding | steps/rank | pad steps | data wait s "
-        "| collate s | all-gather s | peak RSS MB | train loss/token | held-out loss |"
-    )
-    yield "|---|---|---|---|---|---|---|---|---|---|---|---|"
-    for name, r in result["strategies"].items():
-        label = name
-        if name in ("gmt", "grouped"):
-            label = f"{name} (+{r['precompute_s']:.2f} s length pass)"
-        steps = r["steps_per_rank"]
-        steps_s = str(steps[0]) if len(set(steps)) == 1 else "/".join(map(str, steps))
-        yield (
-            f"| {label} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
-            f"{100 * r['padding']:.1f}% | {steps_s} | {r['pad_steps']:.0f} | "
-            f"{r['data_wait_s']:.2f} | {r['collate_s']:.2f} | {r['allgather_stall_s']:.2f} | "
-            f"{r['peak_rss_mb']:.0f} | {r['train_loss_per_token']:.4f} | {r['held_out_loss']:.4f} |"
-        )
-    yield ""
-    yield "| ratio (paired medians of samples/s) | value |"
-    yield "|---|---|"
-    for k, v in result["ratios"].items():
-        yield f"| {k} | {v:.2f}x |"
-    for note in result["notes"]:
-        yield f"note: {note}"
-    if "quality" in result:
-        from odb_core.bench.quality_output import iter_quality_table
-
-        yield from iter_quality_table(result)
-    yield f"equal steps and exactly-once ids in every odb-core run: {result['ok']}"
-
-
-def plot(result: dict[str, Any], path: str) -> None:
-    if "quality" in result:
-        from odb_core.bench.quality_output import plot_quality
-
-        plot_quality(result, path)
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["strategies"])
-    rows = result["strategies"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 2.2]})
-    vals = [rows[n]["samples_per_s"] for n in names]
-    bars = ax1.bar(
-        names, vals, color=["#999", "#a7c", "#6a9", "#36c", "#139", "#c63"][: len(names)]
-    )
-    if "gmt" in rows:
-        i = names.index("gmt")
-        ax1.bar(
-            [names[i]],
-            [rows["gmt"]["samples_per_s_incl_precompute"]],
-            fill=False,
-            hatch="//",
-            edgecolor="k",
-            label="gmt incl. length pass",
-        )
-        ax1.legend(fontsize=8)
-    for b, v in zip(bars, vals, strict=True):
-        ax1.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
-    vs_grouped = [
-        f"{k.split('/')[0]}/grouped {v:.2f}x"
-        for k, v in result["ratios"].items()
-        if k.endswith("/grouped") and k != "grouped/standard"
-    ]
-    if vs_grouped:  # the paired medians, as in the ratio table
-        ax1.text(0.02, 0.78, "\n".join(vs_grouped), transform=ax1.transAxes, fontsize=7, va="top")
-    ax1.set_ylabel("emitted samples/s (median)")
-    ax1.set_title("throughput", fontsize=10)
-    ax1.tick_params(axis="x", labelrotation=30, labelsize=8)
-    cmap = plt.get_cmap("RdYlGn_r")
-    timelines = result["timeline_rank0_last_repeat"]
-    for y, n in enumerate(names):
-        for t, wait, comp, real, computed, _, pad in timelines.get(n) or []:
-            pad_share = 1.0 - real / max(1, computed)
-            color = "#ccc" if pad else cmap(pad_share)
-            ax2.broken_barh(
-                [(t + wait, comp)], (y - 0.35, 0.7), facecolors=color, edgecolor="k", linewidth=0.2
-            )
-            if wait > 0.005:
-                ax2.broken_barh([(t, wait)], (y - 0.35, 0.7), facecolors="#000")
-    ax2.set_yticks(range(len(names)), names, fontsize=8)
-    ax2.set_xlabel(
-        "seconds into the epoch (rank 0, last repeat)\ncolour: the step's padding share "
-        "(green 0%, red 100%); black: data wait; grey: pad step",
-        fontsize=8,
-    )
-    ax2.set_title("per-step timeline", fontsize=10)
-    fig.suptitle(
-        f"odb bench --model {result['params']['model']} (measured on CPU, "
-        f"{result['params']['ranks']} gloo ranks)",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
