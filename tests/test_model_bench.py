@@ -3,6 +3,7 @@ option errors. Figures are not asserted: only the bench's own checks and its sch
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -27,12 +28,13 @@ ROW_KEYS = {
 
 
 def test_tiny_run_json(tmp_path: object) -> None:
-    cmd = [*ODB, "bench", *TINY, "--json", "--strategies", "standard,gmt,odb-padded,odb-packed"]
+    strategies = "standard,grouped,gmt,odb-padded,odb-packed"
+    cmd = [*ODB, "bench", *TINY, "--json", "--strategies", strategies]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout)
     assert r["ok"] is True
-    assert set(r["strategies"]) == {"standard", "gmt", "odb-padded", "odb-packed"}
+    assert set(r["strategies"]) == {"standard", "grouped", "gmt", "odb-padded", "odb-packed"}
     for name, row in r["strategies"].items():
         assert set(row) >= ROW_KEYS, name
         assert row["samples_per_s"] > 0
@@ -43,9 +45,16 @@ def test_tiny_run_json(tmp_path: object) -> None:
         assert row["runs"][0]["unique_ids"] == 48
     assert r["strategies"]["odb-packed"]["padding"] == 0.0
     assert r["strategies"]["gmt"]["precompute_s"] > 0
-    assert {"odb-padded/standard", "odb-packed/gmt", "odb-padded/gmt_incl_precompute"} <= set(
-        r["ratios"]
-    )
+    assert {
+        "odb-padded/standard",
+        "odb-packed/gmt",
+        "odb-padded/gmt_incl_precompute",
+        "odb-padded/grouped",
+        "odb-packed/grouped_incl_length_pass",
+        "grouped/standard",
+    } <= set(r["ratios"])
+    assert r["strategies"]["grouped"]["precompute_s"] > 0
+    assert "quality" not in r
     assert set(r["timeline_rank0_last_repeat"]) == set(r["strategies"])
 
 
@@ -55,6 +64,27 @@ def test_tiny_run_json(tmp_path: object) -> None:
         (["--model", "llama-huge"], "unknown --model 'llama-huge'; expected one of llama-tiny"),
         (["--model", "llama-tiny", "--max-len", "512", "--budget", "256"], "under the longest"),
         (["--model", "llama-tiny", "--strategies", "fast"], "unknown strategy 'fast'"),
+        (
+            ["--model", "llama-tiny", "--epochs", "2"],
+            "--epochs and --regime finetune need --quality",
+        ),
+        (["--model", "llama-tiny", "--regime", "finetune"], "need --quality"),
+        (
+            ["--model", "llama-tiny", "--quality", "--lr", "nan"],
+            "--lr=nan must be a finite number > 0",
+        ),
+        (
+            ["--model", "llama-tiny", "--strategies", "standard,odb-parity"],
+            "strategy 'odb-parity' is a learning-rate recipe: it needs --quality",
+        ),
+        (
+            ["--model", "llama-tiny", "--quality", "--strategies", "standard,odb-ref"],
+            "odb-ref has no schedule on run progress",
+        ),
+        (
+            ["--model", "llama-tiny", "--quality", "--strategies", "grouped,odb-padded"],
+            "--quality needs 'standard'",
+        ),
     ],
 )
 def test_bad_options_fail_clearly(
@@ -64,6 +94,15 @@ def test_bad_options_fail_clearly(
 
     assert main(["bench", *args]) == 2  # rejected before any rank starts
     assert match in capsys.readouterr().err
+
+
+def test_unknown_regime_names_the_value(capsys: pytest.CaptureFixture[str]) -> None:
+    from odb_core.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--model", "llama-tiny", "--quality", "--regime", "warm"])
+    assert exc.value.code == 2
+    assert "--regime: invalid choice: 'warm'" in capsys.readouterr().err
 
 
 def test_budget_check_respects_oversize() -> None:
@@ -77,9 +116,44 @@ def test_budget_check_respects_oversize() -> None:
 
 
 def test_gmt_plan_cuts_at_the_budget_and_deals_every_id() -> None:
-    lens = model_bench.lengths(200, 256, seed=3)
-    plan = model_bench._gmt_plan(lens, 512, world=2, seed=0)
+    from odb_core.bench.gmt import gmt_plan
+    from odb_core.bench.workload import lengths
+
+    lens = lengths(200, 256, seed=3)
+    plan = gmt_plan(lens, 512, world=2, seed=0)
     batches = [b for rank in plan for b in rank]
     assert sorted(i for b in batches for i in b) == list(range(200))
     assert all(len(b) * max(lens[i] for i in b) <= 512 for b in batches)
     assert abs(len(plan[0]) - len(plan[1])) <= 1
+
+
+def test_quality_smoke_ratios_follow_the_curves() -> None:
+    from odb_core.bench.quality import time_to_target
+
+    strategies = "standard,grouped,odb-padded,odb-sqrt-lr,odb-parity"
+    cmd = [*ODB, "bench", *TINY, "--quality", "--epochs", "2", "--regime", "finetune",
+           "--pretrain-samples", "16", "--strategies", strategies, "--json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    assert r["ok"] is True
+    q = r["quality"]
+    assert q["regime"] == "finetune" and q["epochs"] == 2
+    assert set(q["strategies"]) == set(strategies.split(","))
+    std = r["strategies"]["standard"]["runs"][0]["curve"]
+    target, std_time = std[-1][2], std[-1][0]
+    for name, row in q["strategies"].items():
+        assert {"time_to_target_ratio", "heldout_gap", "time_to_target_ratio_vs_grouped",
+                "heldout_gap_vs_grouped", "reached"} <= set(row)  # fmt: skip
+        curve = r["strategies"][name]["runs"][0]["curve"]
+        assert curve[0][0] == 0.0 and curve[0][1] == 0  # the start, before any update
+        assert len(curve) >= 3  # checkpoints along the run (every 1/4 epoch, or the step after)
+        assert all(a[1] < b[1] and a[0] <= b[0] for a, b in itertools.pairwise(curve))
+        assert curve[-1][1] >= 2 * 48  # both epochs' samples consumed
+        t = time_to_target(curve, target)
+        assert row["time_to_target_ratio"] == (None if t is None else pytest.approx(t / std_time))
+        assert row["heldout_gap"] == pytest.approx(curve[-1][2] / target - 1)
+        if name in ("odb-padded", "odb-sqrt-lr", "odb-parity"):
+            assert r["strategies"][name]["equal_steps"] and r["strategies"][name]["exactly_once"]
+    parity = r["strategies"]["odb-parity"]["runs"][0]
+    assert parity["updates"] < parity["steps_per_rank"][0]  # windows span several steps

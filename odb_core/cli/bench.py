@@ -66,18 +66,35 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     m = p.add_argument_group(
         "real-model training (--model)",
         "train a LlamaForCausalLM built from a config (no download) with DDP, one epoch per "
-        "run: standard, gmt, odb-padded, odb-packed and odb-ref (when installed), interleaved",
+        "run: standard, grouped (HF group_by_length), gmt, odb-padded, odb-packed and odb-ref "
+        "(when installed), interleaved",
     )
     m.add_argument("--model", default=None, help="llama-tiny, llama-small or llama-100m")
     m.add_argument(
-        "--max-len", type=positive_int, default=1024, help="longest sample in tokens (default 1024)"
+        "--max-len",
+        type=positive_int,
+        default=None,
+        help="longest sample in tokens (1024; 512 with --quality)",
     )
     m.add_argument(
-        "--budget", type=positive_int, default=4096, help="peak tokens per step and rank (4096)"
+        "--budget",
+        type=positive_int,
+        default=None,
+        help="peak tokens per step and rank (4096; 2048 with --quality)",
     )
     m.add_argument("--eval-samples", type=int, default=64, help="held-out samples (64)")
-    m.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, fixed (1e-3)")
-    m.add_argument("--seed", type=int, default=0, help="data and init seed")
+    m.add_argument(
+        "--lr",
+        type=float,
+        default=1e-3,
+        help="AdamW learning rate (1e-3): fixed; with --quality the peak of every schedule",
+    )
+    m.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="data and init seed (--quality: init and data order use seed + repeat)",
+    )
     m.add_argument(
         "--oversize",
         choices=["error", "solo", "truncate"],
@@ -88,29 +105,58 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--buffer-size", type=positive_int, default=None, help="odb-core window (default: its own)"
     )
     m.add_argument(
-        "--strategies", default=",".join(_STRATEGIES), help="comma-separated subset to run"
+        "--strategies",
+        default=None,
+        help="comma-separated subset to run (default: standard, grouped, gmt, odb-padded, "
+        "odb-packed, odb-ref; with --quality every strategy and recipe but odb-ref)",
     )
-    m.add_argument("--plot", default=None, metavar="FILE", help="throughput bars + timeline (PNG)")
+    q = p.add_argument_group(
+        "time to quality (--model ... --quality)",
+        "several epochs per strategy and seed (--repeats seeds, interleaved), held-out loss "
+        "every 1/4 epoch (evaluation time excluded), schedules that end on the last update",
+    )
+    q.add_argument("--quality", action="store_true", help="run the time-to-quality bench")
+    q.add_argument("--epochs", type=positive_int, default=None, help="epochs per run (3)")
+    q.add_argument(
+        "--regime",
+        choices=["scratch", "finetune"],
+        default="scratch",
+        help="finetune: each seed's model is first trained one epoch on another distribution",
+    )
+    q.add_argument(
+        "--pretrain-samples",
+        type=positive_int,
+        default=None,
+        help="samples of the finetune regime's first training (default: --samples)",
+    )
+    m.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="throughput bars + timeline (PNG); with --quality: held-out loss vs wall time",
+    )
     p.set_defaults(run=run)
 
 
-_STRATEGIES = ("standard", "gmt", "odb-padded", "odb-packed", "odb-ref")
-
-
 def run_model(args: argparse.Namespace) -> int:
+    from odb_core.bench import model_output
     from odb_core.torch import model_bench
 
     if args.workers < 0:
         raise ValueError(f"--workers={args.workers!r} must be >= 0")
-    requested = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.strategies is None:
+        default = model_bench.QUALITY_DEFAULT if args.quality else model_bench.THROUGHPUT_DEFAULT
+        requested = list(default)
+    else:
+        requested = [s.strip() for s in args.strategies.split(",") if s.strip()]
     params = {
         "model": args.model,
         "ranks": args.ranks,
         "workers": args.workers,
         "samples": args.samples or 400,
         "repeats": args.repeats,
-        "max_len": args.max_len,
-        "budget": args.budget,
+        "max_len": args.max_len or (512 if args.quality else 1024),
+        "budget": args.budget or (2048 if args.quality else 4096),
         "eval_samples": args.eval_samples,
         "lr": args.lr,
         "seed": args.seed,
@@ -119,14 +165,19 @@ def run_model(args: argparse.Namespace) -> int:
         "strategies": requested,
         "requested": requested,
         "timeout": args.timeout or 3600,
+        "quality": args.quality,
+        "epochs": args.epochs or (3 if args.quality else 1),
+        "regime": args.regime,
+        "pretrain_samples": args.pretrain_samples or args.samples or 400,
+        "checkpoints": 4,
     }
     result = model_bench.run_bench(params)  # progress lines go to stderr
     if args.plot:
-        model_bench.plot(result, args.plot)
+        model_output.plot(result, args.plot)
     if args.json:
         print(json.dumps(result))
     else:
-        for line in model_bench.iter_table(result):
+        for line in model_output.iter_table(result):
             print(line)
     return 0 if result["ok"] else 1
 

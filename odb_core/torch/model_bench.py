@@ -1,16 +1,28 @@
 """`odb bench --model SIZE`: train a real LlamaForCausalLM on W gloo ranks with DDP,
-one epoch per run, every batching strategy on the same data and the same init,
+one epoch per run (`--quality`: several), every strategy on the same data and init,
 interleaved (A, B, C, A, B, C, ...), medians over the repeats.
 
 Strategies (all under the same peak-token budget per step and rank):
 - `standard`: DataLoader(batch_size=B) + DistributedSampler, padded; B is the
   largest fixed batch whose worst case (B x the longest possible sample) fits;
+- `grouped`: HF Trainer's `group_by_length=True` at the same B, with HF's own
+  `LengthGroupedSampler` sharded by Accelerate's `BatchSamplerShard`
+  (`odb_core.bench.grouped`); its timed length pass is reported apart;
 - `gmt`: an offline oracle: a timed length-cache pass over the dataset (reported
   apart), sort longest first, cut at the budget, deal the batches round-robin;
 - `odb-padded`, `odb-packed`: ODBDataLoader with the padded / packed cost model
   (`pad_collate` / `pack_collate`, varlen attention);
 - `odb-ref`: the PyPI package `online-dynamic-batching` (import `odb`), only when
-  it is installed, with its README's settings (exact loss scaling, join).
+  it is installed, with its README's settings (exact loss scaling, join);
+- `odb-sqrt-lr`, `odb-linear-lr`, `odb-parity` (`--quality` only): the documented
+  learning-rate recipes (`odb_core.bench.recipes`).
+
+`--quality`: `--epochs` epochs per run, a seed per repeat (init and data order;
+`--regime finetune` first trains each seed's init one epoch on another
+distribution), held-out loss every 1/4 epoch with its time left out of the
+training time, every schedule linear to 0 at the run's last update (fixed-batch
+strategies: LambdaLR over their exact step count; odb: `ProgressLR`), and the
+time-to-target / held-out-gap summary of `odb_core.bench.quality`.
 
 Every odb-core run must have equal steps on every rank and every id exactly once;
 the bench raises otherwise. The model and the run are CPU-sized by default.
@@ -25,28 +37,36 @@ import importlib.util
 import json
 import math
 import os
-import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
 
-# (layers, hidden, intermediate, heads, kv heads, vocab)
-SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
-    "llama-tiny": (2, 128, 256, 4, 2, 1024),
-    "llama-small": (4, 256, 688, 8, 4, 4096),
-    "llama-100m": (12, 768, 2048, 12, 4, 32000),
-}
-STRATEGIES = ("standard", "gmt", "odb-padded", "odb-packed", "odb-ref")
-ODB_STRATEGIES = ("odb-padded", "odb-packed")
-MIN_LEN = 16
-PROMPT_SHARE = 4  # the first len // 4 tokens are a masked prompt
+from odb_core.bench.gmt import gmt_plan
+from odb_core.bench.recipes import RECIPES
+from odb_core.bench.workload import MIN_LEN, SIZES, BenchCollate, LongTailText, build_model
+
+STRATEGIES = (
+    "standard",
+    "grouped",
+    "gmt",
+    "odb-padded",
+    "odb-packed",
+    "odb-sqrt-lr",
+    "odb-linear-lr",
+    "odb-parity",
+    "odb-ref",
+)
+ODB_STRATEGIES = tuple(RECIPES)
+THROUGHPUT_DEFAULT = ("standard", "grouped", "gmt", "odb-padded", "odb-packed", "odb-ref")
+QUALITY_DEFAULT = tuple(s for s in STRATEGIES if s != "odb-ref")
+REGIMES = ("scratch", "finetune")
+WARMUP = 0.05  # of the run, every --quality schedule (linear to 0 at the last update)
 
 
 def odb_ref_missing() -> str | None:
@@ -72,96 +92,46 @@ def validate(params: dict[str, Any]) -> list[str]:
             f"{params['max_len']}): no batch could hold it; raise the budget, lower "
             "--max-len, or pass --oversize solo|truncate"
         )
+    lr = params.get("lr", 1e-3)
+    if not (isinstance(lr, float | int) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"--lr={lr!r} must be a finite number > 0")
     if params["eval_samples"] < 1:
         raise ValueError(f"--eval-samples={params['eval_samples']} must be >= 1")
+    if params.get("regime", "scratch") not in REGIMES:
+        raise ValueError(
+            f"unknown --regime {params['regime']!r}; expected one of {', '.join(REGIMES)}"
+        )
+    if params.get("epochs", 1) < 1:
+        raise ValueError(f"--epochs={params['epochs']} must be >= 1")
+    if not params.get("quality") and (
+        params.get("epochs", 1) != 1 or params.get("regime", "scratch") != "scratch"
+    ):
+        raise ValueError("--epochs and --regime finetune need --quality")
     unknown = [s for s in params["strategies"] if s not in STRATEGIES]
     if unknown:
         raise ValueError(
             f"unknown strategy {unknown[0]!r}; expected some of {', '.join(STRATEGIES)}"
         )
     chosen = [s for s in STRATEGIES if s in params["strategies"]]
+    if not params.get("quality"):
+        extra = [s for s in chosen if s in RECIPES and RECIPES[s].quality_only]
+        if extra:
+            raise ValueError(f"strategy {extra[0]!r} is a learning-rate recipe: it needs --quality")
+    elif "odb-ref" in chosen:
+        raise ValueError("odb-ref has no schedule on run progress: leave it out of --quality")
+    if params.get("quality") and "standard" not in chosen:
+        raise ValueError(
+            "--quality needs 'standard' among the strategies (its final loss is the target)"
+        )
+    if "grouped" in chosen and importlib.util.find_spec("accelerate") is None:
+        raise ValueError(
+            "strategy 'grouped' needs accelerate (its DataLoader sharding): pip install accelerate"
+        )
     if "odb-ref" in chosen and odb_ref_missing() is not None:
         chosen.remove("odb-ref")
     if not chosen:
         raise ValueError("no strategy to run")
     return chosen
-
-
-def lengths(n: int, max_len: int, seed: int) -> list[int]:
-    """Long-tailed (log-normal, median max_len / 8) lengths clipped to [16, max_len]."""
-    rng = random.Random(seed)
-    mu = math.log(max(MIN_LEN, max_len / 8))
-    return [max(MIN_LEN, min(max_len, int(rng.lognormvariate(mu, 1.0)))) for _ in range(n)]
-
-
-class LongTailText(Dataset[dict[str, Any]]):
-    """Map-style dataset; `__getitem__` does the preprocessing (token by token, a
-    tokeniser stand-in): a prompt of random words, then a response that follows a
-    per-sample rule a model can learn; labels mask the prompt."""
-
-    def __init__(self, n: int, max_len: int, vocab: int, seed: int) -> None:
-        self.lengths = lengths(n, max_len, seed)
-        self.vocab = vocab
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-
-        n = self.lengths[i]
-        rng = random.Random(self.seed * 1_000_003 + i)
-        words = self.vocab - 4
-        step = 1 + rng.randrange(7)
-        prompt = n // PROMPT_SHARE
-        ids = [1 + rng.randrange(3)]
-        for t in range(1, n):
-            prev = ids[-1]
-            ids.append(4 + rng.randrange(words) if t < prompt else 4 + (prev * 5 + step) % words)
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        labels = input_ids.clone()
-        labels[:prompt] = -100
-        return {"input_ids": input_ids, "labels": labels, "idx": i}
-
-
-class BenchCollate:
-    """The library's collator, plus the batch's ids and its own collate time."""
-
-    def __init__(self, packed: bool) -> None:
-        self.packed = packed
-
-    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-
-        from odb_core.torch.collate import pack_collate, pad_collate
-
-        start = time.perf_counter()
-        core = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
-        out: dict[str, Any] = pack_collate(core) if self.packed else pad_collate(core)
-        out["bench_ids"] = torch.tensor([int(s["idx"]) for s in samples], dtype=torch.long)
-        out["bench_collate_s"] = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        return out
-
-
-def build_model(size: str, max_len: int, seed: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from odb_core.torch.collate import use_packed_attention
-
-    layers, hidden, inter, heads, kv, vocab = SIZES[size]
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=max(2048, max_len),
-        tie_word_embeddings=True,
-        use_cache=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    return use_packed_attention(model)  # SDPA for padded rows, per-sample SDPA for packed
 
 
 # ---- the parent process ----------------------------------------------------------
@@ -256,6 +226,7 @@ class _Run:
 
     def __init__(self) -> None:
         self.steps = 0
+        self.updates = 0
         self.pads = 0
         self.samples = 0
         self.real_tokens = 0
@@ -265,7 +236,8 @@ class _Run:
         self.wait = 0.0
         self.collate = 0.0
         self.peak_rss = 0.0
-        self.ids: list[int] = []
+        self.epoch_ids: list[list[int]] = []
+        self.epoch_steps: list[int] = []
         self.timeline: list[tuple[float, float, float, int, int, int, bool]] = []
 
 
@@ -283,21 +255,23 @@ class _Batches:
         return len(self.batches)
 
 
-def _gmt_plan(lens: list[int], budget: int, world: int, seed: int) -> list[list[list[int]]]:
-    """Sort longest first, cut when n x max_len would pass the budget, shuffle the
-    batches (seeded), deal them round-robin; every rank's list of batches."""
-    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if cur and (len(cur) + 1) * lens[cur[0]] > budget:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    random.Random(seed).shuffle(batches)
-    return [batches[r::world] for r in range(world)]
+def _lengths_pass(ds: Any, rank: int, world: int) -> tuple[list[int], float]:
+    """Every sample's length, read through `__getitem__` on all ranks (the pass an
+    offline sampler needs), and its time (the slowest rank's)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    mine = {i: len(ds[i]["input_ids"]) for i in range(rank, len(ds), world)}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    lens = [0] * len(ds)
+    for part in gathered:
+        for i, n in part.items():
+            lens[i] = n
+    took = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return lens, float(took.item())
 
 
 def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> dict[str, Any]:
@@ -306,11 +280,24 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
+    from odb_core.bench.grouped import grouped_plan
+    from odb_core.schedule import (
+        Schedule,
+        Shape,
+        TokenScaling,
+        fixed_batch_tokens,
+        match_fixed_batch,
+    )
     from odb_core.torch.loader import ODBDataLoader
     from odb_core.torch.meta import causal_lm_loss, pop_step_meta
+    from odb_core.torch.profile import sample_profile
+    from odb_core.torch.schedule import ProgressLR
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     seed, budget, max_len = params["seed"], params["budget"], params["max_len"]
+    quality = bool(params.get("quality"))
+    epochs = int(params.get("epochs", 1))
+    per_epoch_checks = int(params.get("checkpoints", 4)) if quality else 0
     vocab = SIZES[params["model"]][5]
     ds = LongTailText(params["samples"], max_len, vocab, seed)
     held_out = LongTailText(params["eval_samples"], max_len, vocab, seed + 7919)
@@ -323,35 +310,46 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     init_state = copy.deepcopy(model.state_dict())
     ddp = DistributedDataParallel(model)
     strategies: list[str] = params["strategies"]
+    schedule = Schedule(Shape.LINEAR, warmup=WARMUP)
     odb_kw: dict[str, Any] = {
-        "token_budget": budget,
         "shuffle": True,
-        "seed": seed,
         "oversize": params["oversize"],
         "peer_timeout": 300,
         **wkw,
     }
     if params["buffer_size"]:
         odb_kw["buffer_size"] = params["buffer_size"]
+    profile = sample_profile(ds) if any(s in RECIPES for s in strategies) else None
+
+    def odb_loader(name: str, data_seed: int) -> Any:
+        recipe = RECIPES[name]
+        kw: dict[str, Any] = {"token_budget": budget, "seed": data_seed, **odb_kw}
+        if recipe.parity:
+            assert profile is not None
+            kw["token_budget"] = max_len
+            kw["tokens_per_update"] = match_fixed_batch(
+                profile, batch_size=fixed_batch, world_size=world
+            )
+        return ODBDataLoader(
+            ds, cost_model=recipe.cost_model, collate_fn=BenchCollate(recipe.packed), **kw
+        )
+
     loaders: dict[str, Any] = {}
     sampler: DistributedSampler[Any] = DistributedSampler(ds, shuffle=True, seed=seed)
     if "standard" in strategies:
         loaders["standard"] = DataLoader(
             ds, batch_size=fixed_batch, sampler=sampler, collate_fn=BenchCollate(False), **wkw
         )
-    if "odb-padded" in strategies:
-        loaders["odb-padded"] = ODBDataLoader(
-            ds, cost_model="padded", collate_fn=BenchCollate(False), **odb_kw
-        )
-    if "odb-packed" in strategies:
-        loaders["odb-packed"] = ODBDataLoader(
-            ds, cost_model="packed", collate_fn=BenchCollate(True), **odb_kw
-        )
-    gmt_batches = _Batches()
-    if "gmt" in strategies:
-        loaders["gmt"] = DataLoader(
-            ds, batch_sampler=gmt_batches, collate_fn=BenchCollate(False), **wkw
-        )
+    if not quality:  # one loader for every repeat (its workers start once)
+        for name in strategies:
+            if name in RECIPES:
+                loaders[name] = odb_loader(name, seed)
+    planned = _Batches()
+    for name in ("gmt", "grouped"):
+        if name in strategies:
+            loaders[name] = DataLoader(
+                ds, batch_sampler=planned, collate_fn=BenchCollate(False), **wkw
+            )
     ref_sampler: DistributedSampler[Any] = DistributedSampler(ds, shuffle=True, seed=seed)
     if "odb-ref" in strategies:
         odb: Any = importlib.import_module("odb")
@@ -366,133 +364,229 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             loss_scaling="exact",
             join=True,
         )
+    # The fine-tuning regime: every seed's init is first trained for one epoch on
+    # another distribution (another response rule), at a fixed rate, then every
+    # strategy fine-tunes that same model.
+    pre_ds = (
+        LongTailText(params["pretrain_samples"], max_len, vocab, seed + 104729, rule=3)
+        if params.get("regime") == "finetune"
+        else None
+    )
 
-    def epoch(name: str, rep: int) -> tuple[_Run, float, float, float]:
+    def init_for(rep: int) -> dict[str, Any]:
+        if not quality:
+            return dict(init_state)
+        state: dict[str, Any] = build_model(params["model"], max_len, seed + rep).state_dict()
+        if pre_ds is None:
+            return state
+        ddp.module.load_state_dict(state)
+        pre_sampler: DistributedSampler[Any] = DistributedSampler(
+            pre_ds, shuffle=True, seed=seed + rep
+        )
+        pre = DataLoader(
+            pre_ds, batch_size=fixed_batch, sampler=pre_sampler, collate_fn=BenchCollate(False)
+        )
+        opt = torch.optim.AdamW(ddp.parameters(), lr=params["lr"])
+        for batch in pre:
+            for k in ("bench_ids", "bench_collate_s", "use_cache"):
+                batch.pop(k, None)
+            labels = batch.pop("labels")
+            logits = ddp(**batch, use_cache=False).logits
+            F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                labels[:, 1:].reshape(-1),
+                ignore_index=-100,
+            ).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        trained: dict[str, Any] = copy.deepcopy(ddp.module.state_dict())
+        return trained
+
+    def train(name: str, rep: int) -> tuple[_Run, float, float, float, list[Any]]:
+        """`epochs` epochs of `name` from the repeat's init; held-out checkpoints in
+        --quality runs (their time is not training time)."""
         run = _Run()
         precompute = 0.0
-        loader: Any
-        plan_pads = 0
-        if name == "gmt":
-            dist.barrier()
-            t0 = time.perf_counter()
-            mine = {i: len(ds[i]["input_ids"]) for i in range(rank, len(ds), world)}
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, mine)
-            lens = [0] * len(ds)
-            for part in gathered:
-                for i, n in part.items():
-                    lens[i] = n
-            plan = _gmt_plan(lens, budget, world, seed + rep)
-            took = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            precompute = float(took.item())
-            if any(not p for p in plan):
-                raise ValueError(
-                    f"gmt formed {sum(map(len, plan))} batches for {world} ranks: "
-                    "too few samples for this budget; raise --samples"
-                )
-            mine_batches = plan[rank]
-            plan_pads = max(len(p) for p in plan) - len(mine_batches)
-            gmt_batches.batches = mine_batches + mine_batches[:1] * plan_pads
-            loader = loaders["gmt"]
-        else:
-            loader = loaders[name]
-        sampler.set_epoch(rep)
-        ref_sampler.set_epoch(rep)
-        ddp.module.load_state_dict(init_state)
+        plans: list[list[list[list[int]]]] = []
+        if name in ("gmt", "grouped"):
+            lens, precompute = _lengths_pass(ds, rank, world)
+            for e in range(epochs):
+                ep_seed = seed + rep * epochs + e
+                if name == "gmt":
+                    plan = gmt_plan(lens, budget, world, ep_seed)
+                else:
+                    plan = grouped_plan(lens, fixed_batch, world, ep_seed)
+                if any(not p for p in plan):
+                    raise ValueError(
+                        f"{name} formed {sum(map(len, plan))} batches for {world} ranks: "
+                        "too few samples for this budget; raise --samples"
+                    )
+                plans.append(plan)
+        loader = odb_loader(name, seed + rep) if quality and name in RECIPES else loaders[name]
+        ddp.module.load_state_dict(init_states[rep])
         opt = torch.optim.AdamW(ddp.parameters(), lr=params["lr"])
+        sched: Any = None
+        if quality and name in RECIPES:
+            recipe = RECIPES[name]
+            tokens = None
+            if recipe.lr_tokens is not None:
+                assert profile is not None
+                ref = fixed_batch_tokens(profile, batch_size=fixed_batch, world_size=world)
+                tokens = TokenScaling(ref, recipe.lr_tokens)
+            sched = ProgressLR(
+                opt, loader, epochs=epochs, shape="linear", warmup=WARMUP, tokens=tokens
+            )
+        elif quality:
+            per_epoch = len(loader) if name == "standard" else max(len(p) for p in plans[0])
+            total = epochs * per_epoch
+            sched = torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda k: schedule.multiplier(min(1.0, k / total))
+            )
+        n = len(ds)
+        checks = [n * k / per_epoch_checks for k in range(1, epochs * per_epoch_checks + 1)]
+        curve: list[Any] = []
+        consumed = 0
+        eval_s = 0.0
+        if quality:
+            curve.append((0.0, 0, held_out_loss()))
         dist.barrier()
         start = time.perf_counter()
-        join = ddp.join() if name == "odb-ref" else contextlib.nullcontext()
-        with join:
-            it = iter(loader)
-            real_steps = len(mine_batches) if name == "gmt" else -1
-            while True:
-                t_wait = time.perf_counter()
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                t_got = time.perf_counter()
-                scale: float | None = None
-                meta = None
-                is_pad = False
-                if name in ODB_STRATEGIES:
-                    meta = pop_step_meta(batch)
-                    is_pad = meta.is_pad
-                elif name == "odb-ref":
-                    info = importlib.import_module("odb").pop_step_info(batch, loss_scaling="exact")
-                    scale = float(info.loss_scale)
-                elif name == "gmt":
-                    is_pad = run.steps >= real_steps
-                ids = batch.pop("bench_ids")
-                run.collate += float(batch.pop("bench_collate_s"))
-                labels = batch.pop("labels")
-                batch.pop("use_cache", None)
-                logits = ddp(**batch, use_cache=False).logits
-                if meta is not None:
-                    loss = causal_lm_loss(meta, logits, labels)
-                    tok = meta.local_loss_tokens
-                    ce = (
-                        0.0
-                        if meta.is_pad or tok == 0
-                        else (float(loss.detach()) * meta.window_loss_tokens / meta.world_size)
+        for e in range(epochs):
+            real_steps = -1
+            global_per_step: list[int] = []
+            if plans:
+                plan = plans[e]
+                mine_batches = plan[rank]
+                real_steps = len(mine_batches)
+                steps = max(len(p) for p in plan)
+                global_per_step = [sum(len(p[s]) for p in plan if s < len(p)) for s in range(steps)]
+                planned.batches = mine_batches + mine_batches[:1] * (steps - real_steps)
+            sampler.set_epoch(rep * epochs + e)
+            ref_sampler.set_epoch(rep * epochs + e)
+            epoch_steps = 0
+            epoch_ids: list[int] = []
+            join = ddp.join() if name == "odb-ref" else contextlib.nullcontext()
+            with join:
+                it = iter(loader)
+                while True:
+                    t_wait = time.perf_counter()
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        break
+                    t_got = time.perf_counter()
+                    scale: float | None = None
+                    meta = None
+                    is_pad = False
+                    if name in RECIPES:
+                        meta = pop_step_meta(batch)
+                        is_pad = meta.is_pad
+                    elif name == "odb-ref":
+                        info = importlib.import_module("odb").pop_step_info(
+                            batch, loss_scaling="exact"
+                        )
+                        scale = float(info.loss_scale)
+                    elif plans:
+                        is_pad = epoch_steps >= real_steps
+                    ids = batch.pop("bench_ids")
+                    run.collate += float(batch.pop("bench_collate_s"))
+                    labels = batch.pop("labels")
+                    batch.pop("use_cache", None)
+                    sync = meta is None or meta.sync_gradients
+                    ctx = contextlib.nullcontext() if sync else ddp.no_sync()
+                    with ctx:
+                        logits = ddp(**batch, use_cache=False).logits
+                        if meta is not None:
+                            loss = causal_lm_loss(meta, logits, labels)
+                            tok = meta.local_loss_tokens
+                            ce = (
+                                0.0
+                                if meta.is_pad or tok == 0
+                                else (
+                                    float(loss.detach()) * meta.window_loss_tokens / meta.world_size
+                                )
+                            )
+                        else:
+                            ce_t = F.cross_entropy(
+                                logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                labels[:, 1:].reshape(-1),
+                                ignore_index=-100,
+                                reduction="sum",
+                            )
+                            tok = int((labels[:, 1:] != -100).sum())
+                            ce = float(ce_t.detach())
+                            loss = (
+                                ce_t
+                                / max(1, tok)
+                                * (0.0 if is_pad else (scale if scale is not None else 1.0))
+                            )
+                        loss.backward()  # type: ignore[no-untyped-call]
+                    if sync:
+                        run.updates += 1
+                        opt.step()
+                        if sched is not None:
+                            sched.step()
+                        opt.zero_grad(set_to_none=True)
+                    t_done = time.perf_counter()
+                    run.steps += 1
+                    real = (
+                        int(batch["attention_mask"].sum())
+                        if "attention_mask" in batch
+                        else int(batch["input_ids"].numel())
                     )
-                else:
-                    ce_t = F.cross_entropy(
-                        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                        labels[:, 1:].reshape(-1),
-                        ignore_index=-100,
-                        reduction="sum",
+                    computed = int(batch["input_ids"].numel())
+                    if is_pad:
+                        run.pads += 1
+                    else:
+                        run.samples += len(ids)
+                        epoch_ids.extend(int(i) for i in ids)
+                        run.real_tokens += real
+                        run.computed_tokens += computed
+                        run.loss_sum += ce
+                        run.loss_tokens += tok
+                    run.wait += t_got - t_wait
+                    run.peak_rss = max(run.peak_rss, _rss_mb())
+                    run.timeline.append(
+                        (
+                            t_wait - start - eval_s,
+                            t_got - t_wait,
+                            t_done - t_got,
+                            real,
+                            computed,
+                            len(ids),
+                            is_pad,
+                        )
                     )
-                    tok = int((labels[:, 1:] != -100).sum())
-                    ce = float(ce_t.detach())
-                    loss = (
-                        ce_t
-                        / max(1, tok)
-                        * (0.0 if is_pad else (scale if scale is not None else 1.0))
-                    )
-                loss.backward()  # type: ignore[no-untyped-call]
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                t_done = time.perf_counter()
-                run.steps += 1
-                real = (
-                    int(batch["attention_mask"].sum())
-                    if "attention_mask" in batch
-                    else int(batch["input_ids"].numel())
-                )
-                computed = int(batch["input_ids"].numel())
-                if is_pad:
-                    run.pads += 1
-                else:
-                    run.samples += len(ids)
-                    run.ids.extend(int(i) for i in ids)
-                    run.real_tokens += real
-                    run.computed_tokens += computed
-                    run.loss_sum += ce
-                    run.loss_tokens += tok
-                run.wait += t_got - t_wait
-                run.peak_rss = max(run.peak_rss, _rss_mb())
-                run.timeline.append(
-                    (
-                        t_wait - start,
-                        t_got - t_wait,
-                        t_done - t_got,
-                        real,
-                        computed,
-                        len(ids),
-                        is_pad,
-                    )
-                )
-        wall = time.perf_counter() - start
-        if name == "odb-ref":  # its iterator keeps its worker pids registered until shut down
-            getattr(it, "_shutdown_workers", lambda: None)()
-        del it
+                    # the same global count on every rank, so every rank evaluates at
+                    # the same step (the held-out loss is an all-reduce)
+                    if meta is not None:
+                        consumed += meta.global_samples
+                    elif global_per_step:
+                        consumed += global_per_step[epoch_steps]
+                    else:
+                        consumed += world * len(ids)
+                    epoch_steps += 1
+                    if quality and sync and checks and consumed >= checks[0]:
+                        t_eval = time.perf_counter()
+                        point = (t_eval - start - eval_s, consumed, held_out_loss())
+                        curve.append(point)
+                        while checks and consumed >= checks[0]:
+                            checks.pop(0)
+                        eval_s += time.perf_counter() - t_eval
+            if name == "odb-ref":  # its iterator keeps its worker pids registered
+                getattr(it, "_shutdown_workers", lambda: None)()
+            del it
+            run.epoch_steps.append(epoch_steps)
+            run.epoch_ids.append(epoch_ids)
+        wall = time.perf_counter() - start - eval_s
+        if quality and curve[-1][1] < consumed:
+            curve.append((wall, consumed, held_out_loss()))
         allgather = 0.0
-        if name in ODB_STRATEGIES:
+        if name in RECIPES:
             allgather = float(loader.epoch_stats.collective_stall_s)
-        return run, wall, precompute, allgather
+        if sched is not None and hasattr(sched, "remove_hooks"):
+            sched.remove_hooks()
+        return run, wall, precompute, allgather, curve
 
     def held_out_loss() -> float:
         from odb_core.torch.collate import pack_collate
@@ -527,14 +621,17 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
         return float(total[0] / total[1].clamp(min=1))
 
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
+    curves: dict[str, list[Any]] = {s: [] for s in strategies}
     timelines: dict[str, Any] = {}
     errors: list[str] = []
+    init_states = [init_for(rep) for rep in range(params["repeats"])]
     for rep in range(params["repeats"]):
         for name in strategies:
-            run, wall, precompute, allgather = epoch(name, rep)
-            eval_loss = held_out_loss()
+            run, wall, precompute, allgather, curve = train(name, rep)
+            eval_loss = curve[-1][2] if curve else held_out_loss()
             mine = {
                 "steps": run.steps,
+                "updates": run.updates,
                 "pads": run.pads,
                 "samples": run.samples,
                 "real_tokens": run.real_tokens,
@@ -546,29 +643,40 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                 "allgather": allgather,
                 "wall": wall,
                 "rss": run.peak_rss,
-                "ids": run.ids,
+                "ids": run.epoch_ids,
+                "epoch_steps": run.epoch_steps,
             }
             per_rank: list[Any] = [None] * world
             dist.all_gather_object(per_rank, mine)
             steps = [r["steps"] for r in per_rank]
-            ids = sorted(i for r in per_rank for i in r["ids"])
-            exactly_once = ids == list(range(len(ds)))
-            if name in ODB_STRATEGIES and (len(set(steps)) != 1 or not exactly_once):
-                dup = len(ids) - len(set(ids))
-                lost = len(ds) - len(set(ids))
-                errors.append(
-                    f"{name} repeat {rep}: steps per rank {steps}, {dup} duplicated and "
-                    f"{lost} lost ids"
-                )
+            equal_steps = all(
+                len({r["epoch_steps"][e] for r in per_rank}) == 1 for e in range(epochs)
+            )
+            exactly_once = True
+            for e in range(epochs):
+                ids = sorted(i for r in per_rank for i in r["ids"][e])
+                once = ids == list(range(len(ds)))
+                exactly_once = exactly_once and once
+                if name in RECIPES and (not equal_steps or not once):
+                    dup = len(ids) - len(set(ids))
+                    lost = len(ds) - len(set(ids))
+                    errors.append(
+                        f"{name} repeat {rep} epoch {e}: steps per rank "
+                        f"{[r['epoch_steps'][e] for r in per_rank]}, {dup} duplicated and "
+                        f"{lost} lost ids"
+                    )
             summary = _summarise(per_rank, precompute, eval_loss, len(ds))
-            summary["equal_steps"] = len(set(steps)) == 1
+            summary["equal_steps"] = equal_steps
             summary["exactly_once"] = exactly_once
+            if quality:
+                summary["curve"] = curve
             runs[name].append(summary)
+            curves[name].append(curve)
             if rep == params["repeats"] - 1:
                 timelines[name] = run.timeline if rank == 0 else None
             if rank == 0 and progress:
                 print(
-                    f"[odb bench] repeat {rep + 1}/{params['repeats']} {name:10} "
+                    f"[odb bench] repeat {rep + 1}/{params['repeats']} {name:13} "
                     f"{summary['wall_s']:7.1f} s  {summary['samples_per_s']:7.2f} samples/s  "
                     f"steps/rank {steps}  padding {100 * summary['padding']:.1f}%  "
                     f"held-out loss {eval_loss:.4f}",
@@ -577,7 +685,18 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                 )
             if errors:
                 raise RuntimeError("; ".join(errors))
-    return _report(params, runs, timelines, fixed_batch)
+    result = _report(params, runs, timelines, fixed_batch)
+    if quality:
+        from odb_core.bench.quality import summarise as quality_summary
+
+        result["quality"] = {
+            "regime": params.get("regime", "scratch"),
+            "epochs": epochs,
+            "checkpoints_per_epoch": per_epoch_checks,
+            "schedule": f"linear to 0 at the last update, warmup {WARMUP:g} of the run",
+            "strategies": quality_summary(curves, "standard", "grouped"),
+        }
+    return result
 
 
 def _summarise(
@@ -596,6 +715,7 @@ def _summarise(
         "tokens_per_s": real / wall,
         "padding": 1.0 - real / max(1, computed),
         "steps_per_rank": [r["steps"] for r in per_rank],
+        "updates": per_rank[0]["updates"],
         "pad_steps": sum(r["pads"] for r in per_rank),
         "peak_rss_mb": max(r["rss"] for r in per_rank),
         "data_wait_s": max(r["wait"] for r in per_rank),
@@ -604,7 +724,7 @@ def _summarise(
         "train_loss_per_token": sum(r["loss_sum"] for r in per_rank)
         / max(1, sum(r["loss_tokens"] for r in per_rank)),
         "held_out_loss": eval_loss,
-        "unique_ids": len({i for r in per_rank for i in r["ids"]}),
+        "unique_ids": len({i for r in per_rank for i in r["ids"][-1]}),  # last epoch
         "dataset": n,
     }
 
@@ -647,9 +767,15 @@ def _report(
         row["exactly_once"] = all(r["exactly_once"] for r in rs)
         row["runs"] = rs
         strategies[name] = row
-    ratios: dict[str, float | None] = {}
+    ratios: dict[str, float | None] = {
+        "grouped/standard": _paired(runs, "grouped", "standard", "samples_per_s")
+    }
     for odb in ODB_STRATEGIES:
         ratios[f"{odb}/standard"] = _paired(runs, odb, "standard", "samples_per_s")
+        ratios[f"{odb}/grouped"] = _paired(runs, odb, "grouped", "samples_per_s")
+        ratios[f"{odb}/grouped_incl_length_pass"] = _paired(
+            runs, odb, "grouped", "samples_per_s_incl_precompute"
+        )
         ratios[f"{odb}/gmt"] = _paired(runs, odb, "gmt", "samples_per_s")
         ratios[f"{odb}/gmt_incl_precompute"] = _paired(
             runs, odb, "gmt", "samples_per_s_incl_precompute"
@@ -681,95 +807,3 @@ def _report(
         ],
         "notes": [],
     }
-
-
-# ---- output ----------------------------------------------------------------------
-
-
-def iter_table(result: dict[str, Any]) -> Iterator[str]:
-    p = result["params"]
-    yield (
-        f"odb bench --model {p['model']}: {p['ranks']} gloo ranks (DDP, CPU), {p['samples']} "
-        f"samples up to {p['max_len']} tokens, budget {p['budget']} tokens/rank/step "
-        f"(standard batch {p['fixed_batch']}), {p['repeats']} interleaved repeats (medians)"
-    )
-    yield (
-        "| strategy | samples/s | tokens/s | padding | steps/rank | pad steps | data wait s "
-        "| collate s | all-gather s | peak RSS MB | train loss/token | held-out loss |"
-    )
-    yield "|---|---|---|---|---|---|---|---|---|---|---|---|"
-    for name, r in result["strategies"].items():
-        label = name
-        if name == "gmt":
-            label = f"gmt (+{r['precompute_s']:.2f} s length pass)"
-        steps = r["steps_per_rank"]
-        steps_s = str(steps[0]) if len(set(steps)) == 1 else "/".join(map(str, steps))
-        yield (
-            f"| {label} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
-            f"{100 * r['padding']:.1f}% | {steps_s} | {r['pad_steps']:.0f} | "
-            f"{r['data_wait_s']:.2f} | {r['collate_s']:.2f} | {r['allgather_stall_s']:.2f} | "
-            f"{r['peak_rss_mb']:.0f} | {r['train_loss_per_token']:.4f} | {r['held_out_loss']:.4f} |"
-        )
-    yield ""
-    yield "| ratio (paired medians of samples/s) | value |"
-    yield "|---|---|"
-    for k, v in result["ratios"].items():
-        yield f"| {k} | {v:.2f}x |"
-    for note in result["notes"]:
-        yield f"note: {note}"
-    yield f"equal steps and exactly-once ids in every odb-core run: {result['ok']}"
-
-
-def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["strategies"])
-    rows = result["strategies"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 2.2]})
-    vals = [rows[n]["samples_per_s"] for n in names]
-    bars = ax1.bar(names, vals, color=["#999", "#6a9", "#36c", "#139", "#c63"][: len(names)])
-    if "gmt" in rows:
-        i = names.index("gmt")
-        ax1.bar(
-            [names[i]],
-            [rows["gmt"]["samples_per_s_incl_precompute"]],
-            fill=False,
-            hatch="//",
-            edgecolor="k",
-            label="gmt incl. length pass",
-        )
-        ax1.legend(fontsize=8)
-    for b, v in zip(bars, vals, strict=True):
-        ax1.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
-    ax1.set_ylabel("emitted samples/s (median)")
-    ax1.set_title("throughput", fontsize=10)
-    ax1.tick_params(axis="x", labelrotation=30, labelsize=8)
-    cmap = plt.get_cmap("RdYlGn_r")
-    timelines = result["timeline_rank0_last_repeat"]
-    for y, n in enumerate(names):
-        for t, wait, comp, real, computed, _, pad in timelines.get(n) or []:
-            pad_share = 1.0 - real / max(1, computed)
-            color = "#ccc" if pad else cmap(pad_share)
-            ax2.broken_barh(
-                [(t + wait, comp)], (y - 0.35, 0.7), facecolors=color, edgecolor="k", linewidth=0.2
-            )
-            if wait > 0.005:
-                ax2.broken_barh([(t, wait)], (y - 0.35, 0.7), facecolors="#000")
-    ax2.set_yticks(range(len(names)), names, fontsize=8)
-    ax2.set_xlabel(
-        "seconds into the epoch (rank 0, last repeat)\ncolour: the step's padding share "
-        "(green 0%, red 100%); black: data wait; grey: pad step",
-        fontsize=8,
-    )
-    ax2.set_title("per-step timeline", fontsize=10)
-    fig.suptitle(
-        f"odb bench --model {result['params']['model']} (measured on CPU, "
-        f"{result['params']['ranks']} gloo ranks)",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
