@@ -74,7 +74,7 @@ def test_hypothesis_search_steers_towards_the_bound() -> None:
     assert max(o.tail for o in tails) > 0
 
 
-@pytest.mark.parametrize("bug", [b for b in BugVariant if b.passes == 1])
+@pytest.mark.parametrize("bug", [b for b in BugVariant if b.passes == 1 and not b.dynamic])
 def test_every_broken_machine_is_caught(bug: BugVariant) -> None:
     report = fuzz(8, 40, seed=0, machine=bug.machine, search_examples=5)
     assert not report.ok, f"{bug.value} was not caught"
