@@ -22,10 +22,27 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from odb_core.protocol import Contribution
+
+class Contribution(Protocol):
+    """The fields of `odb_core.protocol.Contribution` the deal reads (typed here so
+    that this module imports nothing of the core)."""
+
+    @property
+    def offered(self) -> int: ...
+    @property
+    def final(self) -> bool: ...
+    @property
+    def samples(self) -> tuple[int, ...]: ...
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+    @property
+    def unread(self) -> int: ...
+    @property
+    def held(self) -> int: ...
+    @property
+    def held_work(self) -> int: ...
 
 
 def initial_share(plan_len: int, world: int, target: int) -> int:
