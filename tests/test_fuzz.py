@@ -116,3 +116,20 @@ def test_cli_fuzz_rejects_bad_ranks(capsys: pytest.CaptureFixture[str]) -> None:
             main(["fuzz", "--ranks", bad])
         assert exc.value.code == 2
         assert repr(bad) in capsys.readouterr().err
+
+
+def test_dynamic_sharding_schedules_keep_every_guarantee() -> None:
+    from odb_core.config import Sharding
+
+    report = fuzz(64, 40, seed=0, search_examples=0, sharding=Sharding.DYNAMIC)
+    assert report.ok, report.violations[:1]
+    broken = fuzz(
+        16,
+        20,
+        seed=0,
+        machine=BugVariant.DEAL_OVERLAPS.machine,
+        search_examples=0,
+        sharding=Sharding.DYNAMIC,
+    )
+    messages = [m for v in broken.violations for m in v["violations"]]
+    assert any("NoDuplicate" in m for m in messages), messages[:3]
