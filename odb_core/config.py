@@ -22,6 +22,17 @@ class Mode(enum.Enum):
     first rank runs dry; what was not emitted is carried in the ledger."""
 
 
+class Sharding(enum.Enum):
+    """Which rank loads which sample ids of the epoch."""
+
+    STATIC = "static"
+    """Default. Each rank owns a fixed 1/W of the epoch (its shard)."""
+    DYNAMIC = "dynamic"
+    """Ranks take ids from the epoch's plan as they go: each round's all-gather
+    carries what every rank holds, and every rank deals the next plan ids to the
+    ranks holding the least work with the same pure rule (`odb_core.assign`)."""
+
+
 class OversizePolicy(enum.Enum):
     """What to do with one sample whose cost alone exceeds the budget."""
 
@@ -98,6 +109,13 @@ class ProtocolConfig:
     loss_normalization: LossNormalization = LossNormalization.TOKENS
     grad_accum_steps: int | None = None
     tokens_per_update: int | None = None
+    sharding: Sharding = Sharding.STATIC
+    plan: tuple[int, ...] = ()
+    """Dynamic sharding: the epoch's sample ids in the order they are dealt (the
+    same tuple on every rank). Not part of `describe()`: it changes every epoch."""
+    assign_target: int | None = None
+    """Dynamic sharding: the samples (held + assigned, not yet emitted) each rank is
+    topped up to every round; the window size `buffer_size` when not set."""
     carried: frozenset[int] = frozenset()
     """Quota mode: the ids this pass took over from the last one's ledger (the
     same set on every rank); each rank forms them ahead of fresh samples
@@ -126,6 +144,20 @@ class ProtocolConfig:
             _positive_int("quota", self.quota)
             if self.mode is not Mode.QUOTA:
                 raise ConfigError(f"quota={self.quota!r} is only meaningful with mode='quota'")
+        object.__setattr__(self, "sharding", coerce_enum(Sharding, "sharding", self.sharding))
+        if not isinstance(self.plan, tuple):
+            if isinstance(self.plan, (str, bytes)) or not hasattr(self.plan, "__iter__"):
+                raise ConfigError(f"plan={self.plan!r} must be a sequence of sample ids")
+            object.__setattr__(self, "plan", tuple(self.plan))
+        bad_ids = [i for i in self.plan if isinstance(i, bool) or not isinstance(i, int)]
+        if bad_ids:
+            raise ConfigError(f"plan holds {bad_ids[0]!r}, which is not an integer sample id")
+        if len(set(self.plan)) != len(self.plan):
+            raise ConfigError("plan lists a sample id twice")
+        if self.plan and self.sharding is not Sharding.DYNAMIC:
+            raise ConfigError("a plan is only meaningful with sharding='dynamic'")
+        if self.assign_target is not None:
+            _positive_int("assign_target", self.assign_target)
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"deterministic={self.deterministic!r} must be a bool")
         if self.grad_accum_steps is not None and self.tokens_per_update is not None:
@@ -154,13 +186,22 @@ class ProtocolConfig:
         return WindowRule.STEPS if self.tokens_per_update is None else WindowRule.TOKENS
 
     @property
+    def dynamic(self) -> bool:
+        return self.sharding is Sharding.DYNAMIC
+
+    @property
+    def target(self) -> int:
+        """Dynamic sharding: samples each rank is topped up to per round."""
+        return self.buffer_size if self.assign_target is None else self.assign_target
+
+    @property
     def accum_steps(self) -> int:
         """Steps per window under the STEPS rule (1 when not set)."""
         return 1 if self.grad_accum_steps is None else self.grad_accum_steps
 
     def describe(self) -> dict[str, Any]:
         """Plain-data summary, used in reports and to fingerprint resumable state."""
-        return {
+        out: dict[str, Any] = {
             "world_size": self.world_size,
             "budget_tokens": self.budget.tokens,
             "max_samples": self.budget.max_samples,
@@ -177,6 +218,10 @@ class ProtocolConfig:
             "grad_accum_steps": self.grad_accum_steps,
             "tokens_per_update": self.tokens_per_update,
         }
+        if self.dynamic:  # static configs keep the fingerprint they always had
+            out["sharding"] = self.sharding.value
+            out["assign_target"] = self.assign_target
+        return out
 
 
 DEFAULT_BUFFER_SIZE = 64

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from odb_core.assign import deal, initial_cursor, initial_slice
 from odb_core.batch import Batch
 from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
 from odb_core.cost import BatchStats
@@ -74,6 +75,11 @@ class Contribution(NamedTuple):
     `samples[t]`, `tokens[t]`, `loss_tokens[t]`: size of the t-th offered batch
     (real samples, cost tokens, tokens whose loss counts), for exact global loss
     normalisation and window boundaries without a second collective.
+
+    Dynamic sharding only (`Sharding.DYNAMIC`, 0 otherwise): `unread` ids assigned
+    to this rank and not yet observed; `held` samples and `held_work` cost tokens
+    this rank holds beyond the offered batches (its window and later ready
+    batches). Every rank deals the next plan ids from these (`odb_core.assign`).
     """
 
     offered: int
@@ -81,9 +87,13 @@ class Contribution(NamedTuple):
     samples: tuple[int, ...]
     tokens: tuple[int, ...]
     loss_tokens: tuple[int, ...]
+    unread: int = 0
+    held: int = 0
+    held_work: int = 0
 
-    def to_vector(self, max_steps: int) -> list[int]:
+    def to_vector(self, max_steps: int, dynamic: bool = False) -> list[int]:
         pad = [0] * (max_steps - self.offered)
+        tail = [self.unread, self.held, self.held_work] if dynamic else []
         return [
             self.offered,
             int(self.final),
@@ -93,19 +103,18 @@ class Contribution(NamedTuple):
             *pad,
             *self.loss_tokens,
             *pad,
+            *tail,
         ]
 
     @staticmethod
-    def vector_length(max_steps: int) -> int:
-        return 2 + 3 * max_steps
+    def vector_length(max_steps: int, dynamic: bool = False) -> int:
+        return 2 + 3 * max_steps + (3 if dynamic else 0)
 
     @staticmethod
-    def from_vector(vector: Sequence[int], max_steps: int) -> Contribution:
-        if len(vector) != Contribution.vector_length(max_steps):
-            raise ODBPeerError(
-                f"all-gather vector of length {len(vector)}, expected "
-                f"{Contribution.vector_length(max_steps)}"
-            )
+    def from_vector(vector: Sequence[int], max_steps: int, dynamic: bool = False) -> Contribution:
+        expected = Contribution.vector_length(max_steps, dynamic)
+        if len(vector) != expected:
+            raise ODBPeerError(f"all-gather vector of length {len(vector)}, expected {expected}")
         offered, final = int(vector[0]), int(vector[1])
         if not 0 <= offered <= max_steps or final not in (0, 1):
             raise ODBPeerError(f"malformed all-gather vector {list(vector)!r}")
@@ -114,7 +123,12 @@ class Contribution(NamedTuple):
             start = 2 + j * max_steps
             return tuple(int(x) for x in vector[start : start + offered])
 
-        return Contribution(offered, bool(final), column(0), column(1), column(2))
+        held: tuple[int, ...] = ()
+        if dynamic:
+            held = tuple(int(x) for x in vector[2 + 3 * max_steps :])
+            if any(x < 0 for x in held):
+                raise ODBPeerError(f"malformed all-gather vector {list(vector)!r}")
+        return Contribution(offered, bool(final), column(0), column(1), column(2), *held)
 
 
 class RoundDecision(NamedTuple):
@@ -125,6 +139,8 @@ class RoundDecision(NamedTuple):
     global_samples: tuple[int, ...]
     global_tokens: tuple[int, ...]
     global_loss_tokens: tuple[int, ...]
+    assigned: tuple[int, ...] = ()
+    """Dynamic sharding: how many of the next plan ids each rank loads, in rank order."""
 
 
 def decide_round(
@@ -132,6 +148,9 @@ def decide_round(
     quota: int | None,
     emitted_before: int,
     contributions: Sequence[Contribution],
+    *,
+    plan_left: int | None = None,
+    target: int = 0,
 ) -> RoundDecision:
     """The collective semantics: how many aligned steps this round runs, and whether
     the epoch closes after them. Pure, so every rank computes the same answer.
@@ -142,6 +161,8 @@ def decide_round(
     quota: k = min offered over all ranks (no pads); the epoch ends when a final
            rank empties (first rank runs dry) or, at the exact step, when the
            global sample count reaches the quota.
+    dynamic sharding (`plan_left` given: plan ids not dealt yet): unless the epoch
+           closes, the next plan ids are dealt by `odb_core.assign.deal`.
     """
     if not contributions:
         raise ProtocolError("decide_round needs the contribution of every rank, got none")
@@ -165,7 +186,10 @@ def decide_round(
                 k, done = t + 1, True
                 gs, gt, gl = gs[:k], gt[:k], gl[:k]
                 break
-    return RoundDecision(k, done, gs, gt, gl)
+    assigned: tuple[int, ...] = ()
+    if plan_left is not None and not done:
+        assigned = deal(contributions, k, plan_left, target)
+    return RoundDecision(k, done, gs, gt, gl, assigned)
 
 
 @dataclass(frozen=True)
@@ -254,6 +278,9 @@ class RankSnapshot(NamedTuple):
     window_loss: int
     window_local: int
     windows: tuple[WindowRecord, ...]
+    queue: tuple[int, ...] = ()  # dynamic sharding: assigned ids not yet observed
+    cursor: int = 0  # dynamic sharding: plan positions dealt so far
+    formed: bool = False  # dynamic sharding: a starved rank formed its window
 
 
 def loss_scale(
@@ -298,6 +325,16 @@ class RankMachine:
         self._truncated: dict[int, int] = {}
         self._contribution: Contribution | None = None
         self._former = FORMERS[config.former]
+        # Dynamic sharding: ids assigned to this rank and not yet observed (in plan
+        # order), and how far into the plan every rank has dealt.
+        self.queue: dict[int, None] = {}
+        self.cursor = 0
+        self.formed = False  # starved: the window was formed since it last changed
+        if config.dynamic:
+            n, w = len(config.plan), config.world_size
+            start, stop = initial_slice(rank, n, w, config.target)
+            self.queue = dict.fromkeys(config.plan[start:stop])
+            self.cursor = initial_cursor(n, w, config.target)
 
     # ---- queries -------------------------------------------------------
 
@@ -305,8 +342,9 @@ class RankMachine:
         """Local actions legal now. OBSERVE and EXHAUST are both 'needs a sample':
         the source decides which one happens."""
         k = self.config.buffer_size
+        starved = self.starved
         if self.phase is RankPhase.WAITING:
-            if not self.exhausted and len(self.buffer) < k:
+            if not self.exhausted and not starved and len(self.buffer) < k:
                 return _NEEDS_SAMPLE
             return _NOTHING
         if self.phase is RankPhase.DONE:
@@ -315,9 +353,29 @@ class RankMachine:
             return _CONTRIBUTE
         if len(self.buffer) >= k or (self.exhausted and self.buffer):
             return _FORM
-        if self.exhausted:
+        if starved and self.buffer and not self.formed:
+            return _FORM
+        if self.exhausted or starved:
             return _CONTRIBUTE
         return _NEEDS_SAMPLE
+
+    @property
+    def plan_left(self) -> int:
+        """Dynamic sharding: plan ids no rank has been dealt yet (0 when static)."""
+        return len(self.config.plan) - self.cursor
+
+    @property
+    def starved(self) -> bool:
+        """Dynamic sharding: nothing assigned is left unread, but the plan is not
+        dealt out yet. The rank forms its window once, keeping the open batch back
+        (more ids may be dealt to fill it), and contributes what is ready: offering
+        0 steps if nothing is, which earns it ids in the round's deal."""
+        return self.config.dynamic and not self.queue and self.plan_left > 0
+
+    @property
+    def unassigned(self) -> tuple[int, ...]:
+        """Dynamic sharding: the plan ids not dealt to any rank yet."""
+        return self.config.plan[self.cursor :]
 
     @property
     def needs_sample(self) -> bool:
@@ -345,6 +403,13 @@ class RankMachine:
             raise DuplicateSampleError(
                 f"rank {self.rank}: sample id {sample.id!r} observed twice in this epoch"
             )
+        if self.config.dynamic:
+            if sample.id not in self.queue:
+                raise ProtocolError(
+                    f"rank {self.rank}: sample id {sample.id!r} is not assigned to this rank"
+                )
+            del self.queue[sample.id]
+            self.formed = False
         sample = self._apply_oversize_policy(sample)
         self._seen.add(sample.id)
         self.buffer[sample.id] = sample
@@ -352,16 +417,28 @@ class RankMachine:
     def exhaust(self) -> None:
         """This rank's source has no more samples this epoch."""
         self._require(RankAction.EXHAUST)
+        if self.queue or self.plan_left:
+            raise ProtocolError(
+                f"rank {self.rank}: Exhaust with {len(self.queue)} assigned ids unread "
+                f"and {self.plan_left} plan ids not dealt"
+            )
         self.exhausted = True
 
     def form(self) -> list[Batch]:
         """Run the former on the window; closed batches become ready."""
         self._require(RankAction.FORM)
         flush = len(self.buffer) < self.config.buffer_size
-        result = self._run_former(list(self.buffer.values()), flush)
-        self.ready.extend(result.batches)
-        self.buffer = {s.id: s for s in result.leftovers}
-        return result.batches
+        batches, leftovers = self._run_former(list(self.buffer.values()), flush)
+        if self.starved and flush:
+            # Starved, not dry: the open batch waits for what the next deal brings.
+            batches, leftovers = self._run_former(list(self.buffer.values()), False)
+            if batches and not leftovers:
+                *batches, last = batches
+                leftovers = list(last.samples)
+            self.formed = True
+        self.ready.extend(batches)
+        self.buffer = {s.id: s for s in leftovers}
+        return batches
 
     def contribute(self) -> Contribution:
         """Enter the round's collective; returns this rank's vector."""
@@ -386,8 +463,20 @@ class RankMachine:
                 f"rank {self.rank}: all-gather returned {contributions[self.rank]!r} as this "
                 f"rank's vector, but it sent {self._contribution!r}"
             )
-        decision = decide_round(self.config.mode, self.config.quota, self.emitted, contributions)
+        c = self.config
+        decision = decide_round(
+            c.mode,
+            c.quota,
+            self.emitted,
+            contributions,
+            plan_left=self.plan_left if c.dynamic else None,
+            target=c.target,
+        )
         steps = self._emit(decision)
+        if decision.assigned:
+            start, stop = self._dealt_slice(decision.assigned)
+            self.queue.update(dict.fromkeys(c.plan[start:stop]))
+            self.cursor += sum(decision.assigned)
         self.round += 1
         self._contribution = None
         carried: tuple[Sample, ...] = ()
@@ -431,6 +520,9 @@ class RankMachine:
             self.window_loss,
             self.window_local,
             self.windows,
+            tuple(self.queue),
+            self.cursor,
+            self.formed,
         )
 
     @classmethod
@@ -445,6 +537,9 @@ class RankMachine:
         m.window_loss, m.window_local, m.windows = snap.window_loss, snap.window_local, snap.windows
         m._seen = set(m.buffer) | {s.id for b in m.ready for s in b.samples}
         m._contribution = snap.contribution
+        m.queue = dict.fromkeys(snap.queue)
+        m.cursor = snap.cursor
+        m.formed = snap.formed
         return m
 
     # ---- internals -----------------------------------------------------
@@ -459,13 +554,28 @@ class RankMachine:
         offered = min(len(self.ready), m)
         head = [self.ready[i] for i in range(offered)]
         final = self.exhausted and not self.buffer and len(self.ready) <= m
+        held = held_work = 0
+        if self.config.dynamic:
+            later = [self.ready[i] for i in range(offered, len(self.ready))]
+            held = len(self.buffer) + sum(len(b.samples) for b in later)
+            held_work = sum(s.tokens + s.visual_tokens for s in self.buffer.values())
+            held_work += sum(b.tokens for b in later)
         return Contribution(
             offered,
             final,
             tuple(len(b.samples) for b in head),
             tuple(b.tokens for b in head),
             tuple(b.loss_tokens for b in head),
+            len(self.queue),
+            held,
+            held_work,
         )
+
+    def _dealt_slice(self, assigned: tuple[int, ...]) -> tuple[int, int]:
+        """Plan positions [start, stop) this rank loads from a round's deal: its
+        slice follows those of the lower ranks."""
+        start = self.cursor + sum(assigned[: self.rank])
+        return start, start + assigned[self.rank]
 
     @property
     def window_steps(self) -> int:

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from odb_core.config import Mode, OversizePolicy, ProtocolConfig, coerce_enum
+from odb_core.assign import dynamic_bounds
+from odb_core.config import Mode, OversizePolicy, ProtocolConfig, Sharding, coerce_enum
 from odb_core.cost import AttentionAware, BatchStats, Budget, CostModel, PackedTokens, PaddedTokens
 from odb_core.errors import ConfigError, ODBPeerError
 from odb_core.formers import FormerKind
@@ -131,6 +132,7 @@ class SimConfig:
     peer_timeout_s: float = 60.0
     faults: Faults = field(default_factory=Faults)
     tail_window: int = 12
+    sharding: Sharding = Sharding.STATIC
 
     def __post_init__(self) -> None:
         for name in ("ranks", "buffer_size", "max_steps_per_round", "num_workers"):
@@ -157,6 +159,7 @@ class SimConfig:
                 f"unknown cost model {self.cost!r}; expected one of {', '.join(COSTS)}"
             )
         object.__setattr__(self, "former", coerce_enum(FormerKind, "former", self.former))
+        object.__setattr__(self, "sharding", coerce_enum(Sharding, "sharding", self.sharding))
         if not isinstance(self.oversize, OversizePolicy):
             object.__setattr__(self, "oversize", OversizePolicy(self.oversize))
         self.faults.validate(self.ranks)
@@ -218,6 +221,7 @@ class SimConfig:
             "cost_model": self.cost,
             "buffer_size": self.buffer_size,
             "former": self.former.value,
+            "sharding": self.sharding.value,
             "max_steps_per_round": self.max_steps_per_round,
             "quota": self.quota,
             "oversize": self.oversize.value,
@@ -440,17 +444,28 @@ class _Run:
             oversize=cfg.oversize,
             max_steps_per_round=cfg.max_steps_per_round,
             quota=cfg.quota if mode is Mode.QUOTA else None,
+            sharding=cfg.sharding,
+            plan=tuple(self.perm) if cfg.sharding is Sharding.DYNAMIC else (),
         )
+        dynamic = protocol.dynamic
         machines = [RankMachine(r, protocol) for r in range(w)]
-        shards = [self.perm[r::w] for r in range(w)]
+        # Static: rank r reads its fixed shard. Dynamic: rank r reads the ids the core
+        # deals it, in order; a worker starts an id no earlier than its deal.
+        shards = [list(m.queue) if dynamic else self.perm[r::w] for r, m in enumerate(machines)]
+        dealt_at = [[0.0] * len(s) for s in shards]
         depth = max(cfg.prefetch_factor * cfg.num_workers, cfg.buffer_size)
         sources = [self.source(r, shards[r], depth) for r in range(w)]
+
+        def dealt(r: int) -> float:
+            src = sources[r]
+            return dealt_at[r][src.next] if dynamic and not src.dry else 0.0
+
         clock = [0.0] * w
         tr = self.trainer(self.budget)
         padded = cfg.padded_collation
         rng = np.random.default_rng([cfg.seed, 4])
         net = cfg.hardware.network
-        msg_bytes = 8 * (2 + 2 * cfg.max_steps_per_round)
+        msg_bytes = 8 * (2 + 2 * cfg.max_steps_per_round + (3 if dynamic else 0))
         gather_s = net.allgather_s(w, msg_bytes)
         faults = cfg.faults
         gate = 0.0
@@ -480,7 +495,7 @@ class _Run:
                             m.exhaust()
                             t = max(t, src.dry_at())
                         else:
-                            idx, t = src.pull(t)
+                            idx, t = src.pull(t, dealt(r))
                             m.observe(sample_of(idx))
                             observe_events += 1
                     else:
@@ -505,16 +520,22 @@ class _Run:
                         if src.dry_at() > t_g:
                             break
                         m.exhaust()
-                    elif src.peek() <= t_g:
-                        idx, t = src.pull(t)
+                    elif src.peek(dealt(r)) <= t_g:
+                        idx, t = src.pull(t, dealt(r))
                         m.observe(sample_of(idx))
                         observe_events += 1
                     else:
                         break
                 clock[r] = t_g
             # 4. every rank reduces the same gathered vector with decide_round
+            queued = [len(m.queue) for m in machines]
             results = [machines[r].all_gather(contribs) for r in range(w)]
             rounds += 1
+            if dynamic:
+                for r, m in enumerate(machines):
+                    new = list(m.queue)[queued[r] :]
+                    shards[r].extend(new)
+                    dealt_at[r].extend([t_g] * len(new))
             k = len(results[0].steps)
             if any(len(res.steps) != k for res in results):
                 violations.append(
@@ -549,14 +570,18 @@ class _Run:
         if mode is Mode.QUOTA and done:
             for r in range(w):
                 carried.update(sources[r].remaining_ids())
+            carried.update(machines[0].unassigned)
         self.events += observe_events
         out = tr.metrics()
         samples_per_rank = [len(s) for s in shards]
+        sb, rb = steps_bound(samples_per_rank), rounds_bound(samples_per_rank)
+        if dynamic:
+            sb, rb = dynamic_bounds(cols.n, w, protocol.target)
         out.update(
             {
                 "rounds": rounds,
-                "steps_bound": steps_bound(samples_per_rank),
-                "rounds_bound": rounds_bound(samples_per_rank),
+                "steps_bound": sb,
+                "rounds_bound": rb,
                 "pad_steps_by_machines": sum(m.pads for m in machines),
                 "carried_ids": len(carried),
             }

@@ -23,10 +23,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from odb_core.config import Mode, OversizePolicy, ProtocolConfig
+from odb_core.assign import dynamic_bounds
+from odb_core.config import Mode, OversizePolicy, ProtocolConfig, Sharding
 from odb_core.cost import (
     AttentionAware,
     BatchStats,
@@ -95,7 +96,17 @@ class Schedule:
             "tokens_per_update": c.tokens_per_update,
             "arrival_order": self.order,
             "stragglers": sum(1 for s in self.speeds if s < 0.05),
+            "sharding": c.sharding.value,
         }
+
+    def dynamic(self) -> Schedule:
+        """The same schedule with dynamic sharding: the shards only hold the samples,
+        and the plan (their ids, interleaved as a round-robin split would deal
+        them) is dealt by the core (`odb_core.assign`)."""
+        longest = max((len(s) for s in self.shards), default=0)
+        plan = tuple(s[j].id for j in range(longest) for s in self.shards if j < len(s))
+        config = replace(self.config, sharding=Sharding.DYNAMIC, plan=plan, carried=frozenset())
+        return replace(self, config=config)
 
 
 @dataclass
@@ -379,6 +390,11 @@ def _drive(
     pending = [list(reversed(s)) for s in sched.shards]  # pop() = next arrival
     per_rank = [len(s) for s in sched.shards]
     out.steps_bound, out.rounds_bound = steps_bound(per_rank), rounds_bound(per_rank)
+    by_id = {s.id: s for shard in sched.shards for s in shard}
+    if cfg.dynamic:
+        # A rank's source is what the core deals it, in order.
+        pending = [[by_id[i] for i in reversed(m.queue)] for m in machines]
+        out.steps_bound, out.rounds_bound = dynamic_bounds(len(cfg.plan), world, cfg.target)
     n = sched.n
     delivered = [0] * n
     carried: set[int] = set()
@@ -419,7 +435,10 @@ def _drive(
             raise _Violation(
                 f"BoundedTermination: rank {r} enters round {rnd + 1} > bound {out.rounds_bound}"
             )
+        queued = len(m.queue)
         res: RoundResult = m.all_gather(gathered)
+        if cfg.dynamic:
+            pending[r][:0] = [by_id[i] for i in reversed(list(m.queue)[queued:])]
         if m.steps > out.steps_bound:
             raise _Violation(
                 f"BoundedTermination: rank {r} ran {m.steps} steps > bound {out.steps_bound}"
@@ -476,6 +495,7 @@ def _drive(
         carried.update(s.id for s in res.carried)
         if res.done:
             carried.update(s.id for s in pending[r])
+            carried.update(m.unassigned)
             pending[r].clear()
         received[rnd] = received.get(rnd, 0) + 1
         if received[rnd] == world:
@@ -568,7 +588,10 @@ def _drive(
             raise _Violation(f"QuotaClosure: ids neither emitted nor carried once: {wrong[:10]}")
         emitted = sum(delivered)
         met = cfg.quota is not None and emitted >= cfg.quota
-        dry = any(all(delivered[s.id] for s in shard) for shard in sched.shards)
+        if cfg.dynamic:
+            dry = any(m.exhausted for m in machines)
+        else:
+            dry = any(all(delivered[s.id] for s in shard) for shard in sched.shards)
         if not (met or dry):
             raise _Violation(
                 f"QuotaClosure: closed with {emitted} emitted, quota {cfg.quota} unmet, no rank dry"
@@ -676,6 +699,7 @@ def fuzz(
     machine: type[RankMachine] = RankMachine,
     search_examples: int | None = None,
     progress: Callable[[int], None] | None = None,
+    sharding: Sharding = Sharding.STATIC,
 ) -> FuzzReport:
     """`schedules` random schedules (seeds seed..seed+schedules-1) plus hypothesis-driven
     searches for long tails and many steps (`search_examples` each; default
@@ -683,7 +707,10 @@ def fuzz(
     report = FuzzReport()
     start = time.perf_counter()
     for i in range(schedules):
-        report.add(run_schedule(random_schedule(seed + i, max_ranks), machine))
+        sched = random_schedule(seed + i, max_ranks)
+        if sharding is Sharding.DYNAMIC:
+            sched = sched.dynamic()
+        report.add(run_schedule(sched, machine))
         if progress is not None:
             progress(1)
     examples = schedules // 5 if search_examples is None else search_examples

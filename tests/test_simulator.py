@@ -439,3 +439,20 @@ def test_odb_ref_runs_when_installed() -> None:
     ref = out["strategies"]["odb-ref"]
     assert ref["emitted_samples"] > 0 and ref["steps"] > 0
     assert ref["emitted_samples"] + ref["lost_ids"] <= 1200 + ref["duplicated_ids"]
+
+
+def test_dynamic_sharding_keeps_every_guarantee_and_shortens_the_tail() -> None:
+    # 64 ranks, 4,000 sharegpt4o samples: 62 per rank, the regime where the fixed
+    # 1/W split leaves a rank with a cheap shard padding while the others finish.
+    runs = {
+        sh: simulate(cfg("sharegpt4o", 4000, 64, nodes=8, strategies=("odb",), sharding=sh))
+        for sh in ("static", "dynamic")
+    }
+    for out in runs.values():
+        o = out["strategies"]["odb"]
+        assert o["violations"] == [] and o["lost_ids"] == o["duplicated_ids"] == 0
+        assert o["steps"] <= o["steps_bound"] and o["rounds"] <= o["rounds_bound"]
+    static, dynamic = (runs[s]["strategies"]["odb"] for s in ("static", "dynamic"))
+    assert runs["dynamic"]["config"]["sharding"] == "dynamic"
+    assert dynamic["tail_steps"] <= 1 < static["tail_steps"]
+    assert dynamic["wall_s"] < static["wall_s"]

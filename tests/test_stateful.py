@@ -19,7 +19,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
+from odb_core.assign import dynamic_bounds
+from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig, Sharding
 from odb_core.cost import AttentionAware, Budget, PackedTokens, PaddedTokens
 from odb_core.formers import FormerKind
 from odb_core.protocol import RankMachine, StepInfo, rounds_bound, steps_bound
@@ -51,6 +52,10 @@ def model_configs(draw: st.DrawFn) -> ModelConfig:
     mode = draw(st.sampled_from(list(Mode)))
     quota = draw(st.none() | st.integers(1, max(1, n))) if mode is Mode.QUOTA else None
     window = draw(st.sampled_from(["none", "steps", "tokens"]))
+    # Dynamic sharding deals the ids of a shuffled plan; the shards then only hold
+    # the samples.
+    dynamic = draw(st.booleans())
+    plan = tuple(rng.sample(range(n), n)) if dynamic else ()
     protocol = ProtocolConfig(
         world_size=world,
         budget=Budget(budget, max_samples=draw(st.none() | st.integers(1, 16))),
@@ -69,6 +74,9 @@ def model_configs(draw: st.DrawFn) -> ModelConfig:
         loss_normalization=draw(st.sampled_from(list(LossNormalization))),
         grad_accum_steps=draw(st.integers(1, 6)) if window == "steps" else None,
         tokens_per_update=draw(st.integers(1, 4 * budget)) if window == "tokens" else None,
+        sharding=Sharding.DYNAMIC if dynamic else Sharding.STATIC,
+        plan=plan,
+        assign_target=draw(st.none() | st.integers(1, 16)) if dynamic else None,
     )
     shards = tuple(
         tuple(
@@ -195,8 +203,13 @@ class DGAPMachine(RuleBasedStateMachine):
         per_rank = self.cfg.samples_per_rank
         steps = {r.steps for r in self.state.ranks}
         assert len(steps) == 1, "StepAlignment at the end of the epoch"
-        assert steps.pop() <= steps_bound(per_rank)
-        assert max(r.round for r in self.state.ranks) <= rounds_bound(per_rank)
+        p = self.cfg.protocol
+        if p.dynamic:
+            sb, rb = dynamic_bounds(len(p.plan), p.world_size, p.target)
+        else:
+            sb, rb = steps_bound(per_rank), rounds_bound(per_rank)
+        assert steps.pop() <= sb
+        assert max(r.round for r in self.state.ranks) <= rb
         self.exact_loss_scaling()
         assert all(b.held == 0 for b in self.buffers), "a window outlived its epoch"
         assert len({len(r) for r in self.released}) == 1
@@ -224,6 +237,7 @@ TestDGAP.settings = SETTINGS
         BugVariant.QUOTA_FORGETS_LEDGER,
         BugVariant.LOSS_BY_COST,
         BugVariant.WINDOW_BY_LOCAL,
+        BugVariant.DEAL_OVERLAPS,
     ],
     ids=lambda b: b.value,
 )

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from odb_core.cli.options import enum_choice, positive_int
+from odb_core.config import Sharding
 from odb_core.verify.bugs import BugVariant
 
 
@@ -39,6 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="fuzz a deliberately broken machine (must be caught): "
         + ", ".join(b.value for b in BugVariant),
+    )
+    p.add_argument(
+        "--sharding",
+        type=enum_choice(Sharding),
+        default=Sharding.STATIC,
+        help="static (default) or dynamic: the random schedules' samples are dealt by "
+        "the core each round (the hypothesis searches stay static)",
     )
     p.add_argument("--replay", type=int, default=None, metavar="SEED", help="rerun one schedule")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -80,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             args.seed,
             machine=machine,
             search_examples=args.search_examples,
+            sharding=args.sharding,
             progress=(lambda n: bar.update(n)) if bar is not None else None,
         )
     finally:

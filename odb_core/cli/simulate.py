@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from odb_core.cli.options import positive_float, positive_int
-from odb_core.config import OversizePolicy, default_buffer_size
+from odb_core.config import OversizePolicy, Sharding, default_buffer_size
 from odb_core.errors import ConfigError
 from odb_core.formers import FormerKind
 
@@ -87,6 +87,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="odb and odb-quota's batch former (default: the loader's, greedy)",
     )
     p.add_argument("--max-steps-per-round", type=positive_int, default=8)
+    p.add_argument(
+        "--sharding",
+        choices=[k.value for k in Sharding],
+        default=Sharding.STATIC.value,
+        help="odb's sharding: a fixed 1/W shard per rank (static, default) or ids dealt "
+        "each round to the ranks holding the least work (dynamic)",
+    )
     p.add_argument("--quota", type=positive_int, default=None, help="odb-quota global quota")
     p.add_argument(
         "--oversize",
@@ -265,6 +272,7 @@ def build_configs(args: argparse.Namespace) -> list[Any]:
                     peer_timeout_s=args.peer_timeout,
                     faults=faults,
                     tail_window=args.tail_window,
+                    sharding=Sharding(args.sharding),
                 )
             )
     return configs

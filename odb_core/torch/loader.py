@@ -49,11 +49,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data import default_collate as _default_collate
 
+from odb_core.assign import initial_slice
 from odb_core.config import (
     LossNormalization,
     Mode,
     OversizePolicy,
     ProtocolConfig,
+    Sharding,
     default_buffer_size,
 )
 from odb_core.cost import Budget, CostModel
@@ -159,7 +161,10 @@ class ODBDataLoader:
     `labels[label_shift:] != ignore_index` of a sample with `labels`, else all its
     text tokens), `grad_accum_steps` / `tokens_per_update` (optimizer windows:
     every G steps, or once the window's global loss tokens reach T), `step_meta`
-    (False: yield exactly collate_fn's output, without the `odb_step` key).
+    (False: yield exactly collate_fn's output, without the `odb_step` key),
+    `sharding` ('static' | 'dynamic': the core deals the epoch's indices each round
+    to the ranks holding the least work; join mode, map-style, resumed from the
+    merged state of every rank).
     """
 
     _odb_seq = 0  # which loader of this process (set by _announce_failure)
@@ -200,6 +205,7 @@ class ODBDataLoader:
         trace_dir: str | Path | None = None,
         samples_per_fetch: int = 8,
         prefetch_thread: bool = True,
+        sharding: Sharding | str = Sharding.STATIC,
         num_workers: int = 0,
         pin_memory: bool = False,
         timeout: float = 0,
@@ -299,7 +305,20 @@ class ODBDataLoader:
             loss_normalization=loss_normalization,  # type: ignore[arg-type]
             grad_accum_steps=grad_accum_steps,
             tokens_per_update=tokens_per_update,
+            sharding=sharding,  # type: ignore[arg-type]
         )
+        if self.config.dynamic and (
+            iterable
+            or id_fn is not None
+            or not partition
+            or self.config.mode is not Mode.JOIN
+            or trace_dir is not None
+        ):
+            raise ConfigError(
+                "sharding='dynamic' deals dataset indices to ranks each round; it needs a "
+                "map-style dataset whose ids are its indices, partition=True and mode='join' "
+                "(quota mode and traces follow static sharding for now)"
+            )
         if (
             not iterable
             and not partition
@@ -331,6 +350,7 @@ class ODBDataLoader:
         self._iterable = iterable
         self._pin = self._make_pin(pin_memory, pin_memory_device)
         self._index_sampler: IndexChunks | None = None
+        self._plan: tuple[int, ...] = ()  # dynamic sharding: this epoch's plan
         self._guard = WorkerGuard(worker_init_fn)
         if iterable:
             source: Any = IterSource(
@@ -446,6 +466,8 @@ class ODBDataLoader:
                 # The core forms the carried ids ahead of fresh ones (bounded carry).
                 config = replace(config, carried=frozenset(self.carried_in))
             shard, order_digest = self._start_source(plan, excluded, step0)
+            if config.dynamic:
+                config = replace(config, plan=self._plan)
             machine_cls = RankMachine if self.trace_dir is None else TracingRankMachine
             trace_path = None
             if self.trace_dir is not None:
@@ -474,6 +496,7 @@ class ODBDataLoader:
                 step_meta=self.step_meta,
                 skip_before=skip_before,
                 replay_ids=replay_ids,
+                restart=self._restart_source if config.dynamic else None,
             )
             self._workers_started = self.num_workers > 0
             self._pipeline = EpochPipeline(setup, threaded=self.prefetch_thread)
@@ -838,6 +861,8 @@ class ODBDataLoader:
             order = epoch_order(
                 len(self.dataset), shuffle=self.shuffle, seed=self.seed, epoch=self.epoch
             )
+        if self.config.dynamic:
+            return self._deal_source(progress, order, excluded, head)
         if not self.partition:
             # With id_fn the done ids are not indices: the producer skips them.
             shard = order if self.id_fn is not None else [i for i in order if i not in excluded]
@@ -862,6 +887,35 @@ class ODBDataLoader:
         if self.partition:
             flat = [*head, *order, -1, *ledger_ids(carry)]
         return shard, zlib.crc32(array.array("q", flat).tobytes())
+
+    def _deal_source(
+        self,
+        progress: EpochProgress | None,
+        order: list[int],
+        excluded: frozenset[int],
+        head: list[int],
+    ) -> tuple[list[int], int]:
+        """Dynamic sharding: the epoch's plan is what is left of the order (the same
+        on every rank); this rank's source starts on its initial share and the core
+        deals it the rest (`_restart_source`)."""
+        if progress is not None and not progress.is_global:
+            raise ResumeStateError(
+                "sharding='dynamic' resumes from the merged state of every rank "
+                "(merge_states), whose done ids are the same on every rank"
+            )
+        self._plan = tuple(i for i in order if i not in excluded)
+        start, stop = initial_slice(self.rank, len(self._plan), self.world_size, self.config.target)
+        shard = list(self._plan[start:stop])
+        assert self._index_sampler is not None
+        self._index_sampler.indices = shard
+        flat = [*head, *order, -1, *sorted(excluded)]
+        return shard, zlib.crc32(array.array("q", flat).tobytes())
+
+    def _restart_source(self, ids: list[int]) -> Iterator[Any]:
+        """Dynamic sharding: point the inner loader at ids the core newly dealt."""
+        assert self._index_sampler is not None
+        self._index_sampler.indices = ids
+        return iter(self._inner)
 
     def _stop_pipeline(self) -> None:
         p = self._pipeline

@@ -136,6 +136,8 @@ class EpochSetup:
     # the ids this rank emitted in them must be `replay_ids`.
     skip_before: int = 0
     replay_ids: frozenset[int] = frozenset()
+    # Dynamic sharding: a fresh source over the ids the core has newly dealt this rank.
+    restart: Callable[[list[int]], Iterator[list[Record] | Packed]] | None = None
 
 
 class PadTemplate:
@@ -170,6 +172,7 @@ class EpochPipeline:
         self._released: list[int] = []  # steps released by rounds 0..q, cumulative
         self._stopping = False
         self._pending: deque[Record] = deque()
+        self._requested: set[int] = set(setup.machine.queue)  # dynamic: ids sent to workers
         self._raw: dict[int, Any] = {}
         self._cut: dict[int, int] = {}  # truncated before observing: id -> kept tokens
         self._replayed: set[int] = set()
@@ -368,6 +371,7 @@ class EpochPipeline:
     def _rounds(self) -> Generator[Emitted, None, _End | _Failure]:
         m, t = self.s.machine, self.s.transport
         steps_per_round = m.config.max_steps_per_round
+        dynamic = m.config.dynamic
         windows = WindowBuffer(m.config)
         deferred: list[Emitted] = []
         r = 0
@@ -375,7 +379,7 @@ class EpochPipeline:
             while self._gate(r):
                 c = m.fill(self._pull)
                 gathering = self._in_flight = t.start(
-                    (*self.s.tag, r), c.to_vector(steps_per_round)
+                    (*self.s.tag, r), c.to_vector(steps_per_round, dynamic)
                 )
                 yield from deferred
                 deferred = []
@@ -392,7 +396,9 @@ class EpochPipeline:
                     self._in_flight = None
                     self._collective_spans.append((start, time.perf_counter()))
                     self._collectives += 1
-                result = m.all_gather([Contribution.from_vector(v, steps_per_round) for v in rows])
+                result = m.all_gather(
+                    [Contribution.from_vector(v, steps_per_round, dynamic) for v in rows]
+                )
                 released = windows.push(result)
                 steps = self._emit(released, result.done)
                 self._released.append(len(released) + (self._released[-1] if r else 0))
@@ -492,7 +498,12 @@ class EpochPipeline:
             if not self._pending:
                 chunk = next(self.s.source, None)
                 if chunk is None:
-                    return None
+                    dealt = self._newly_dealt()
+                    if not dealt:
+                        return None
+                    assert self.s.restart is not None
+                    self.s.source = self.s.restart(dealt)
+                    continue
                 self._pending.extend(unpack(chunk) if isinstance(chunk, Packed) else chunk)
                 continue
             rec = self._pending.popleft()
@@ -509,6 +520,16 @@ class EpochPipeline:
                 raw, sample = self._truncate(raw, sample)
             self._raw[sid] = raw
             return sample
+
+    def _newly_dealt(self) -> list[int]:
+        """Dynamic sharding: the ids the core dealt this rank since its source was
+        last pointed at them (the rank loads only these; no sample moves)."""
+        m = self.s.machine
+        if not m.config.dynamic:
+            return []
+        fresh = [i for i in m.queue if i not in self._requested]
+        self._requested.update(fresh)
+        return fresh
 
     def _truncate(self, raw: Any, sample: Sample) -> tuple[Any, Sample]:
         """Cut an oversize sample's data before the machine observes it, so that its

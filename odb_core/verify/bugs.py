@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from odb_core.batch import Batch
-from odb_core.config import Mode, ProtocolConfig
+from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import Budget
 from odb_core.formers import FormResult
 from odb_core.protocol import (
@@ -24,7 +24,7 @@ from odb_core.protocol import (
     RoundResult,
 )
 from odb_core.sample import Sample
-from odb_core.verify.model import ModelConfig, round_robin_shards
+from odb_core.verify.model import ModelConfig, dynamic_model, round_robin_shards
 
 
 class SilentStop(RankMachine):
@@ -150,6 +150,14 @@ class CarryNotFirst(RankMachine):
         return self._former(window, c.budget, c.cost_model, flush)
 
 
+class DealOverlaps(RankMachine):
+    """Dynamic sharding: a rank loads its share of the deal from the cursor on,
+    ignoring the slices of the lower ranks, so two ranks are assigned one id."""
+
+    def _dealt_slice(self, assigned: tuple[int, ...]) -> tuple[int, int]:
+        return self.cursor, self.cursor + assigned[self.rank]
+
+
 class BugVariant(enum.Enum):
     SILENT_STOP = "silent-stop"
     NO_PADS = "no-pads"
@@ -162,6 +170,7 @@ class BugVariant(enum.Enum):
     LOSS_BY_COST = "loss-by-cost"
     WINDOW_BY_LOCAL = "window-by-local"
     CARRY_NOT_FIRST = "carry-not-first"
+    DEAL_OVERLAPS = "deal-overlaps"
 
     @property
     def machine(self) -> type[RankMachine]:
@@ -176,6 +185,12 @@ class BugVariant(enum.Enum):
     def mode(self) -> Mode:
         quota = (BugVariant.QUOTA_FORGETS_LEDGER, BugVariant.CARRY_NOT_FIRST)
         return Mode.QUOTA if self in quota else Mode.JOIN
+
+    @property
+    def dynamic(self) -> bool:
+        """A bug of dynamic sharding (`Sharding.DYNAMIC`): its model deals the plan.
+        The fuzzer and spec/DGAP.tla model static sharding only so far."""
+        return self is BugVariant.DEAL_OVERLAPS
 
     @property
     def passes(self) -> int:
@@ -198,6 +213,9 @@ class BugVariant(enum.Enum):
         # Loss tokens below the cost (a masked first token, as causal LM labels have),
         # so counting the cost instead shows.
         loss = [max(c - 1, 0) for c in costs]
+        if self is BugVariant.DEAL_OVERLAPS:
+            dynamic = replace(protocol, sharding=Sharding.DYNAMIC, assign_target=2)
+            return dynamic_model(dynamic, costs, loss, machine=self.machine)
         return ModelConfig(protocol, round_robin_shards(costs, world, loss), machine=self.machine)
 
 
@@ -231,6 +249,7 @@ _MACHINES: dict[BugVariant, type[RankMachine]] = {
     BugVariant.LOSS_BY_COST: LossByCost,
     BugVariant.WINDOW_BY_LOCAL: WindowByLocal,
     BugVariant.CARRY_NOT_FIRST: CarryNotFirst,
+    BugVariant.DEAL_OVERLAPS: DealOverlaps,
 }
 
 _VIOLATES: dict[BugVariant, str] = {
@@ -245,4 +264,5 @@ _VIOLATES: dict[BugVariant, str] = {
     BugVariant.LOSS_BY_COST: "ExactLossScaling",
     BugVariant.WINDOW_BY_LOCAL: "WindowAlignment",
     BugVariant.CARRY_NOT_FIRST: "CrossEpochFairness",
+    BugVariant.DEAL_OVERLAPS: "NoDuplicate",
 }

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from odb_core.assign import dynamic_bounds
 from odb_core.config import Mode
 from odb_core.cost import BatchStats
 from odb_core.errors import ODBError
-from odb_core.protocol import RankMachine, RankPhase, rounds_bound, steps_bound
+from odb_core.protocol import RankMachine, RankPhase, decide_round, rounds_bound, steps_bound
 from odb_core.sample import Sample
 from odb_core.verify.model import GlobalState, ModelConfig
 
@@ -60,7 +61,7 @@ def no_duplicate(state: GlobalState, cfg: ModelConfig) -> str | None:
     return f"ids emitted more than once: {dup}" if dup else None
 
 
-def _locations(state: GlobalState) -> list[int]:
+def _locations(state: GlobalState, cfg: ModelConfig) -> list[int]:
     count = list(state.delivered)
     for r, rs in enumerate(state.ranks):
         for i in state.pending[r]:
@@ -72,13 +73,42 @@ def _locations(state: GlobalState) -> list[int]:
                 count[s.id] += 1
     for i in state.ledger:
         count[i] += 1
+    for i in _undealt(state, cfg):
+        count[i] += 1
     return count
+
+
+def _undealt(state: GlobalState, cfg: ModelConfig) -> list[int]:
+    """Dynamic sharding: plan ids no rank holds yet. A rank whose inbox holds the
+    gathered round has yet to load its slice of that round's deal: those ids count
+    as its pending ones."""
+    p = cfg.protocol
+    if not p.dynamic or any(rs.phase is RankPhase.DONE for rs in state.ranks):
+        return []
+    out: list[int] = []
+    dealt = max(rs.cursor for rs in state.ranks)
+    for r, rs in enumerate(state.ranks):
+        gathered = state.inbox[r]
+        if gathered is None:
+            continue
+        d = decide_round(
+            p.mode,
+            p.quota,
+            rs.emitted,
+            gathered,
+            plan_left=len(p.plan) - rs.cursor,
+            target=p.target,
+        )
+        start = rs.cursor + sum(d.assigned[:r])
+        out.extend(p.plan[start : start + (d.assigned[r] if d.assigned else 0)])
+        dealt = max(dealt, rs.cursor + sum(d.assigned))
+    return out + list(p.plan[dealt:])
 
 
 def no_loss(state: GlobalState, cfg: ModelConfig) -> str | None:
     """Every id is in exactly one place: a source, a buffer, a ready batch,
     delivered once, or in the ledger."""
-    count = _locations(state)
+    count = _locations(state, cfg)
     lost = [i for i, c in enumerate(count) if c == 0]
     extra = [i for i, c in enumerate(count) if c > 1]
     if lost:
@@ -109,7 +139,11 @@ def quota_closure(state: GlobalState, cfg: ModelConfig) -> str | None:
     emitted = sum(state.delivered)
     quota = cfg.protocol.quota
     met = quota is not None and emitted >= quota
-    dry = any(all(state.delivered[s.id] for s in shard) for shard in cfg.shards)
+    if cfg.protocol.dynamic:
+        # A rank ran dry: it emitted all it was dealt once the plan was dealt out.
+        dry = any(rs.exhausted for rs in state.ranks)
+    else:
+        dry = any(all(state.delivered[s.id] for s in shard) for shard in cfg.shards)
     if not (met or dry):
         return f"epoch closed with {emitted} samples, quota {quota} unmet and no rank dry"
     counts = state.step_counts[0]
@@ -137,6 +171,8 @@ def epoch_bounds(cfg: ModelConfig) -> tuple[int, int]:
     """(steps, rounds) bounds of an epoch: max_r N_r (+ 1) in join mode; in quota
     mode no rank pads, so min_r N_r (+ 1) (proofs/bounded_termination.md)."""
     per_rank = cfg.samples_per_rank
+    if cfg.protocol.dynamic:
+        return dynamic_bounds(cfg.n_samples, cfg.protocol.world_size, cfg.protocol.target)
     if cfg.protocol.mode is Mode.QUOTA:
         return min(per_rank, default=0), min(per_rank, default=0) + 1
     return steps_bound(per_rank), rounds_bound(per_rank)
@@ -240,8 +276,19 @@ def pads_only_at_end(state: GlobalState, cfg: ModelConfig) -> str | None:
 
 
 def deterministic_arrival(state: GlobalState, cfg: ModelConfig) -> str | None:
-    """In deterministic mode a rank has consumed a prefix of its shard."""
+    """In deterministic mode a rank has consumed a prefix of its shard (with dynamic
+    sharding: of what it was dealt, so no id it still waits for precedes, in the
+    plan, one it has consumed)."""
     if not cfg.protocol.deterministic:
+        return None
+    if cfg.protocol.dynamic:
+        pos = {i: k for k, i in enumerate(cfg.protocol.plan)}
+        for r, rs in enumerate(state.ranks):
+            if rs.queue:
+                held = {s.id for s in rs.buffer} | {s.id for b in rs.ready for s in b.samples}
+                early = [i for i in held if pos[i] > pos[rs.queue[0]]]
+                if early:
+                    return f"rank {r} consumed {early} before {rs.queue[0]}"
         return None
     for r, shard in enumerate(cfg.shards):
         pending = state.pending[r]

@@ -108,6 +108,22 @@ class ModelConfig:
         return cache
 
 
+def dynamic_model(
+    protocol: ProtocolConfig,
+    costs: Sequence[int],
+    loss: Sequence[int] | None = None,
+    machine: type[RankMachine] = RankMachine,
+) -> ModelConfig:
+    """A dynamic-sharding model: sample i costs costs[i], the plan is 0..n-1. The
+    shards only hold the samples (every rank could be dealt any of them)."""
+    from dataclasses import replace
+
+    n = len(costs)
+    proto = replace(protocol, plan=tuple(range(n)))
+    shards = round_robin_shards(costs, protocol.world_size, loss)
+    return ModelConfig(proto, shards, machine=machine)
+
+
 def round_robin_shards(
     costs: Sequence[int],
     world_size: int,
@@ -160,10 +176,15 @@ class GlobalModel:
         ] = {}
 
     def init(self) -> GlobalState:
-        fresh = RankMachine(0, self.protocol).snapshot()
+        if self.protocol.dynamic:
+            fresh = [RankMachine(r, self.protocol).snapshot() for r in range(self.world)]
+            pending = tuple(frozenset(f.queue) for f in fresh)
+        else:
+            fresh = [RankMachine(0, self.protocol).snapshot()] * self.world
+            pending = tuple(frozenset(s.id for s in shard) for shard in self.config.shards)
         return GlobalState(
-            ranks=tuple(fresh for _ in range(self.world)),
-            pending=tuple(frozenset(s.id for s in shard) for shard in self.config.shards),
+            ranks=tuple(fresh),
+            pending=pending,
             inbox=(None,) * self.world,
             delivered=(0,) * self.config.n_samples,
             ledger=frozenset(),
@@ -184,7 +205,12 @@ class GlobalModel:
             if RankAction.OBSERVE in local:
                 pending = state.pending[r]
                 if pending:
-                    choices = [min(pending)] if self.protocol.deterministic else sorted(pending)
+                    if not self.protocol.deterministic:
+                        choices = sorted(pending)
+                    elif self.protocol.dynamic:
+                        choices = [state.ranks[r].queue[0]]  # plan order
+                    else:
+                        choices = [min(pending)]
                     actions.extend(Action("Observe", r, i) for i in choices)
                 else:
                     actions.append(Action("Exhaust", r))
@@ -276,9 +302,13 @@ class GlobalModel:
                 delivered[i] += 1
         ledger = state.ledger | {s.id for s in result.carried}
         pending = state.pending
+        if self.protocol.dynamic:
+            # The rank loads what the round dealt it.
+            pending = _replace(pending, r, frozenset(snap.queue))
         if result.done:
-            # Unarrived samples of a closed quota epoch are carried too.
-            ledger = ledger | pending[r]
+            # Unarrived samples of a closed quota epoch are carried too (with dynamic
+            # sharding, also the plan ids no rank was dealt).
+            ledger = ledger | pending[r] | frozenset(self.protocol.plan[snap.cursor :])
             pending = _replace(pending, r, frozenset())
         batches = tuple(frozenset(info.sample_ids) for info in result.steps)
         counts = tuple(

@@ -1,0 +1,129 @@
+"""Dynamic sharding: which rank loads the next ids of the epoch's plan.
+
+With `Sharding.DYNAMIC` no rank owns a fixed 1/W of the epoch. The epoch has one
+plan (an ordered tuple of sample ids, the same on every rank). Each rank starts
+with a contiguous `initial_share` of it; after that, every round's all-gather
+carries what each rank holds (`Contribution.unread`, `.held`, `.held_work`), and
+every rank deals the next plan positions with the same pure `deal`, so all ranks
+agree on who loads which id without a further collective, and no sample ever
+moves between ranks.
+
+The rule is longest-processing-time list scheduling with unknown job sizes: the
+round deals as many ids as the ranks lack to hold `target` samples each, one at
+a time, each to the rank whose held work (known costs of its window and ready
+batches, plus its unread ids priced at the gathered mean cost) is least, ties to
+the lower rank. A rank that holds expensive samples therefore gets fewer new
+ids, and when the plan runs out every rank holds about the same work
+(proofs/dynamic_tail.md). The deal is a function of the gathered vectors and
+the round's agreed step count only: determinism and resume are unaffected.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Contribution(Protocol):
+    """The fields of `odb_core.protocol.Contribution` the deal reads (typed here so
+    that this module imports nothing of the core)."""
+
+    @property
+    def offered(self) -> int: ...
+    @property
+    def final(self) -> bool: ...
+    @property
+    def samples(self) -> tuple[int, ...]: ...
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+    @property
+    def unread(self) -> int: ...
+    @property
+    def held(self) -> int: ...
+    @property
+    def held_work(self) -> int: ...
+
+
+def initial_share(plan_len: int, world: int, target: int) -> int:
+    """Ids each rank loads before its first round: `target`, but at most half of
+    an even split, so at least half of the plan is dealt by measured cost."""
+    return max(1, min(target, plan_len // (2 * world)))
+
+
+def initial_slice(rank: int, plan_len: int, world: int, target: int) -> tuple[int, int]:
+    """Plan positions [start, stop) rank `rank` loads before its first round."""
+    c = initial_share(plan_len, world, target)
+    return min(rank * c, plan_len), min((rank + 1) * c, plan_len)
+
+
+def initial_cursor(plan_len: int, world: int, target: int) -> int:
+    """The first plan position not dealt by the initial shares."""
+    return min(world * initial_share(plan_len, world, target), plan_len)
+
+
+def deal(
+    contributions: Sequence[Contribution],
+    steps: int,
+    plan_left: int,
+    target: int,
+) -> tuple[int, ...]:
+    """How many of the next `plan_left` plan ids each rank loads, in rank order
+    (rank r takes the slice after those of ranks < r).
+
+    `steps` is the round's agreed step count: batches a rank offered beyond it stay
+    held. Pure and integer-only, so every rank computes the same tuple.
+    """
+    counts: list[int] = []
+    work: list[int] = []
+    for c in contributions:
+        n, w = c.held + c.unread, c.held_work
+        for t in range(min(steps, c.offered), c.offered):
+            n += c.samples[t]
+            w += c.tokens[t]
+        counts.append(n)
+        work.append(w)
+    out = [0] * len(contributions)
+    # A rank that offered nothing and is not final is starved: it gets an id first,
+    # so a round without steps always deals (and the epoch progresses).
+    for r, c in enumerate(contributions):
+        if c.offered == 0 and not c.final and plan_left > 0:
+            out[r] += 1
+            plan_left -= 1
+    want = sum(max(0, target - n - out[r]) for r, n in enumerate(counts))
+    total = min(plan_left, want)
+    if total <= 0:
+        return tuple(out)
+    # The mean cost of a held sample over all ranks prices the unread ids; scaled by
+    # the held count so that everything stays an integer.
+    held_n = sum(
+        c.held + sum(c.samples[t] for t in range(min(steps, c.offered), c.offered))
+        for c in contributions
+    )
+    held_w = sum(work)
+    if held_n == 0 or held_w == 0:
+        scale, unit = 1, 1
+        heap = [(n + out[r], r) for r, n in enumerate(counts)]
+    else:
+        scale, unit = held_n, held_w
+        heap = [
+            (work[r] * scale + (c.unread + out[r]) * unit, r) for r, c in enumerate(contributions)
+        ]
+    heapq.heapify(heap)
+    for _ in range(total):
+        est, r = heapq.heappop(heap)
+        out[r] += 1
+        heapq.heappush(heap, (est + unit, r))
+    return tuple(out)
+
+
+def dynamic_bounds(plan_len: int, world: int, target: int) -> tuple[int, int]:
+    """(steps, rounds) bounds of a dynamic-sharding epoch of `plan_len` ids.
+
+    Steps: every step some rank emits a real batch, so at most one per id.
+    Rounds: every round but the last runs a step, or has a starved rank offer 0,
+    and then deals at least one id (a starved rank wants `target` > 0 ids); so at
+    most the steps plus the ids dealt after the initial shares, plus the last.
+    """
+    after_initial = plan_len - initial_cursor(plan_len, world, target)
+    return plan_len, plan_len + after_initial + 1
