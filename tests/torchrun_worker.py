@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     init_process_group("gloo")
@@ -47,10 +49,13 @@ def main() -> None:
         files = sorted(Path(d).glob("rank*.json"))
         states = [json.loads(f.read_text()) for f in files]
         loader.load_state_dict(states)
-    tag = f"{a.out}/log.a{attempt}.r{rank}.w{world}"
+    # one log per incarnation of the group: a failure restart bumps `attempt`, a
+    # node joining or leaving (--nnodes=MIN:MAX) changes `world`
+    tag = f"{a.out}/log.{attempt}-{world}.r{rank}"
     rep = loader.resume_report
     first = 0 if rep is None else rep.epoch + rep.closed
     with open(tag, "a") as log:
+        log.write(json.dumps({"start": time.time()}) + "\n")
         if rep is not None:
             log.write(json.dumps({"resume": rep.to_dict()}) + "\n")
         for epoch in range(first, a.epochs):
@@ -63,6 +68,7 @@ def main() -> None:
                 log.flush()
                 if attempt == 0 and rank == a.kill_rank and info.step == a.kill_step:
                     os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(a.step_sleep)
                 if (info.step + 1) % a.every == 0:
                     d = f"{a.out}/ckpt/{epoch:03d}-{info.step + 1:06d}"
                     os.makedirs(d, exist_ok=True)

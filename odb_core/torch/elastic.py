@@ -13,7 +13,7 @@ the listening socket). Any slower start of one rank loses that race, so a
 restart fails in `init_process_group`, before any loader code runs.
 
 `init_process_group` here is `torch.distributed.init_process_group` with the
-store wrapped in a `PrefixStore("odb-attempt/<restart count>/")`: each attempt
+store wrapped in a `PrefixStore(attempt_prefix())`: each attempt
 sees only its own keys (the default group's, every later group's, the loader's
 peer board). Outside torchrun, or where workers do not share the agent store,
 it is the plain call.
@@ -30,24 +30,21 @@ from torch._C._distributed_c10d import TCPStore
 
 from odb_core.errors import ConfigError
 
-_prefixed = False
-
 
 def shares_agent_store() -> bool:
     """Launched by torchrun with workers on the agent's long-lived store."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def attempt_prefixed() -> bool:
-    """The default group was joined through `init_process_group` below."""
-    return _prefixed and dist.is_initialized()
-
-
 def attempt_prefix() -> str:
-    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if not raw.isdigit():
-        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={raw!r} is not a restart count")
-    return f"odb-attempt/{int(raw)}/"
+    """`odb-attempt/<restart count>/<world size>/`: a failure restart bumps the
+    count; a membership change (a node joins or leaves under `--nnodes=MIN:MAX`)
+    does not, but changes the world size."""
+    env = {k: os.environ.get(k, "0") for k in ("TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE")}
+    bad = {k: v for k, v in env.items() if not v.isdigit()}
+    if bad:
+        raise ConfigError(f"torchrun environment malformed: {bad}")
+    return "odb-attempt/{}/{}/".format(*(int(v) for v in env.values()))
 
 
 def init_process_group(
@@ -55,7 +52,6 @@ def init_process_group(
 ) -> None:
     """`dist.init_process_group(backend, ...)` from torchrun's environment, with the
     keys of each restart attempt apart (see the module docstring)."""
-    global _prefixed
     if not shares_agent_store() or "store" in kwargs or "init_method" in kwargs:
         dist.init_process_group(backend, timeout=timeout, **kwargs)
         return
@@ -80,4 +76,3 @@ def init_process_group(
         timeout=wait,
         **kwargs,
     )
-    _prefixed = True
