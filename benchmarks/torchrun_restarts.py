@@ -35,7 +35,8 @@ def one(workers: int, samples: int, every: int) -> dict[str, object]:
             assert facts["worlds"] == [2, 2], f"incarnations {facts['worlds']}"
             return {"ok": True, "wall_s": round(wall, 2), **facts}
         except AssertionError as exc:
-            return {"ok": False, "wall_s": round(wall, 2), "error": str(exc)}
+            tail = (out / "torchrun0.txt").read_text()[-4000:]
+            return {"ok": False, "wall_s": round(wall, 2), "error": str(exc), "log_tail": tail}
 
 
 def main() -> None:
