@@ -112,13 +112,21 @@ class GlooTransport:
         store = _default_store()
         if store is not None:
             self.board = PeerBoard(store, self.seq, self.rank, self.world_size, self.timeout)
-            self.board.rendezvous(dict(summary or {}))
+            try:
+                self.board.rendezvous(dict(summary or {}))
+            except (ConfigError, ODBPeerError):
+                raise
+            except RuntimeError as exc:  # DistNetworkError &c.: the store's host is gone
+                raise _store_lost(self.rank, exc) from exc
         before = _socket_inodes()
         # A collective on the default group: every rank constructs its loader in the
         # same order, as it does for any process group.
-        self.group = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
-        )
+        try:
+            self.group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
+            )
+        except RuntimeError as exc:
+            raise self.peer_error(exc, "forming the loader's gloo group failed") from exc
         self.socket_inodes = frozenset(_socket_inodes() - before)
         if self.board is not None:
             self.board.start_watch()
@@ -225,6 +233,18 @@ class GlooTransport:
             )
             why = f"{who} hung: {what} within peer_timeout={self.timeout:g}s; {how}"
         return ODBPeerError(f"rank {self.rank}: {why}: {text}", ranks=ranks, cause=cause)
+
+
+def _store_lost(rank: int, exc: BaseException) -> ODBPeerError:
+    """The store died while this rank met its peers: under init_method tcp:// or env://
+    its host is rank 0 (under torchrun, the agent)."""
+    return ODBPeerError(
+        f"rank {rank}: rank 0 died while the ranks constructed their ODBDataLoaders: the "
+        f"rendezvous store it hosts (under tcp:// or env://; under torchrun, the agent "
+        f"hosts it) is unreachable: {exc}",
+        ranks=(0,) if rank != 0 else (),
+        cause=PeerFault.DIED,
+    )
 
 
 def _who(ranks: tuple[int, ...]) -> str:
@@ -410,8 +430,9 @@ class PeerBoard:
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world) if not self.store.check([keys[r]])]
                 raise ODBPeerError(
-                    f"rank {self.rank}: ranks {missing} did not construct their ODBDataLoader "
-                    f"within peer_timeout={self.timeout:g}s",
+                    f"rank {self.rank}: {_who(tuple(missing))} did not construct "
+                    f"{'its' if len(missing) == 1 else 'their'} ODBDataLoader within "
+                    f"peer_timeout={self.timeout:g}s (gone, or stuck before it)",
                     ranks=tuple(missing),
                     cause=PeerFault.HUNG,
                 )
