@@ -84,3 +84,19 @@ class DuplicateIdError(DuplicateSampleError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), self.args, self.__dict__)
+
+
+class EpochFinishedError(ConfigError):
+    """`set_epoch(e)` names an epoch that has completed (iterated to its end, or
+    loaded from a state saved after its last batch): training it again would
+    repeat every one of its samples, so it needs `repeat=True`."""
+
+    def __init__(self, epoch: int, finished: int) -> None:
+        self.epoch = epoch
+        self.finished = finished
+        super().__init__(
+            f"set_epoch({epoch}): epoch {epoch} has completed (epochs up to {finished} "
+            f"are done); call set_epoch({finished + 1}) or just iterate to continue with "
+            f"the next epoch, or set_epoch({epoch}, repeat=True) to train epoch {epoch} "
+            "again on purpose"
+        )

@@ -40,11 +40,13 @@ from typing import Any
 
 from odb_core.errors import ConfigError, ResumeMismatchError, ResumeStateError
 from odb_core.identity import check_unique
+from odb_core.idset import decode, encode
 from odb_core.ledger import Ledgers, ledger_ids, rank_order, validate_ledgers, without
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 # 2: optimizer windows and exact resume (window, start_step, start_emitted, start_window).
 # 3: a sha256 checksum of the content; a strict schema (every field, no other, unique ids).
+# 4: base_done and done as canonical id ranges (odb_core.idset), not lists of ids.
 _FORMAT = "odb_core.epoch_progress"
 FIELDS = (
     "format",
@@ -147,7 +149,7 @@ class EpochProgress:
     def shard(self, order: Sequence[int], world: int, rank: int) -> list[int]:
         """This rank's remaining ids of a map-style epoch, in epoch order."""
         excluded = self.excluded(world, rank)
-        rest = [i for i in order if i not in self.base_done]
+        rest = [i for i in order if i not in self.base_done] if self.base_done else order
         return [i for i in partition(rest, world, rank) if i not in excluded]
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,10 +162,10 @@ class EpochProgress:
                 "step": self.step,
                 "emitted": self.emitted,
                 "closed": self.closed,
-                "base_done": sorted(self.base_done),
+                "base_done": encode(self.base_done),
                 "world_size": self.world_size,
                 "rank": self.rank,
-                "done": sorted(self.done),
+                "done": encode(self.done),
                 "carry": [list(part) for part in self.carry],
                 "window": self.window,
                 "start_step": self.start_step,
@@ -187,9 +189,10 @@ class EpochProgress:
             raise ResumeStateError(
                 f"loader state version {version!r}, expected {STATE_VERSION}"
                 + (
-                    ": it was saved by an older odb-core, whose states carry no checksum "
-                    "or no optimizer windows, and cannot be resumed by this one (restart "
-                    "the epoch)"
+                    ": it was saved by an older odb-core (version 3 lists done ids one by "
+                    "one, older ones carry no checksum or no optimizer windows) and cannot be "
+                    "resumed by this one (restart the epoch, or resume with the odb-core "
+                    "that saved it)"
                     if older
                     else ""
                 )
@@ -252,10 +255,10 @@ class EpochProgress:
             step=_int(d, "step"),
             emitted=_int(d, "emitted"),
             closed=d["closed"],
-            base_done=_ids(d, "base_done"),
+            base_done=decode(d["base_done"], "base_done"),
             world_size=world,
             rank=rank,
-            done=_ids(d, "done"),
+            done=decode(d["done"], "done"),
             carry=carry,
             window=_int(d, "window"),
             start_step=_int(d, "start_step"),
@@ -375,6 +378,36 @@ class EpochProgress:
                     + (" or carried" if not t.join else "")
                     + f" ({t.size - self.emitted - carried} would be lost)"
                 )
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    """What a `load_state_dict` resumed from: the epoch and step of the state, the
+    global samples emitted before it (`samples_done`), whether that epoch had
+    closed, and the world size it was saved at and the one it resumes at. Steps a
+    failed run trained after this state are trained again (the replay since the
+    checkpoint: at most the checkpoint interval)."""
+
+    epoch: int
+    step: int
+    samples_done: int
+    closed: bool
+    saved_world_size: int | None
+    world_size: int
+
+    @staticmethod
+    def of(progress: EpochProgress, world_size: int) -> ResumeReport:
+        return ResumeReport(
+            epoch=progress.epoch,
+            step=progress.step,
+            samples_done=progress.emitted,
+            closed=progress.closed,
+            saved_world_size=progress.world_size,
+            world_size=world_size,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -660,20 +693,6 @@ def _int(d: Mapping[str, Any], key: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ResumeStateError(f"loader state field {key}={v!r} must be a non-negative integer")
     return v
-
-
-def _ids(d: Mapping[str, Any], key: str) -> frozenset[int]:
-    v = d[key]
-    if not isinstance(v, (list, tuple)) or any(
-        isinstance(i, bool) or not isinstance(i, int) for i in v
-    ):
-        raise ResumeStateError(f"loader state field {key} must be a list of integer ids")
-    out = frozenset(v)
-    if len(out) != len(v):
-        seen: set[int] = set()
-        dup = next(i for i in v if i in seen or seen.add(i))  # type: ignore[func-returns-value]
-        raise ResumeStateError(f"loader state field {key} holds id {dup} twice")
-    return out
 
 
 def _preview(v: object) -> str:

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset  # noqa: E402
 from odb_core import DuplicateIdError, ODBDataLoader  # noqa: E402
 from odb_core.errors import ODBError  # noqa: E402
 from odb_core.identity import check_unique, find_repeats  # noqa: E402
+from odb_core.idset import decode  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
 
@@ -123,7 +124,7 @@ def run_id_cases(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             import torch.distributed as dist
 
             done: list[Any] = [None] * world
-            dist.all_gather_object(done, state["done"])
+            dist.all_gather_object(done, sorted(decode(state["done"], "done")))
             fn = Remap(frm=79, to=min(done[0]))  # 79: rank 1's last item, not done
             assert 79 not in done[1]
         again = make(80, id_fn=fn, token_budget=24)

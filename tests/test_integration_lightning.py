@@ -63,6 +63,7 @@ from sft_support import (  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from odb_core.errors import ConfigError  # noqa: E402
+from odb_core.idset import decode  # noqa: E402
 from odb_core.integrations import lightning as odb_pl  # noqa: E402
 from odb_core.integrations.lightning import (  # noqa: E402
     ODBDataModule,
@@ -279,7 +280,7 @@ class Recorder(Callback):
         if self.stop_at is not None and trainer.global_step == self.stop_at:
             # What Lightning's own stateful-loader path would save: the loader's state
             # now, after its prefetched batch (and only rank 0's).
-            self.naive_done = list(trainer.datamodule.loader.state_dict()["done"])
+            self.naive_done = sorted(decode(trainer.datamodule.loader.state_dict()["done"], "done"))
             trainer.should_stop = True
 
 

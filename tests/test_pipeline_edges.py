@@ -41,6 +41,7 @@ from odb_core import ODBDataLoader  # noqa: E402
 from odb_core.config import Mode, ProtocolConfig  # noqa: E402
 from odb_core.cost import Budget  # noqa: E402
 from odb_core.errors import ODBError, ODBPeerError, SampleError  # noqa: E402
+from odb_core.idset import decode  # noqa: E402
 from odb_core.protocol import RankMachine, StepInfo, _truncated_tokens  # noqa: E402
 from odb_core.sample import Sample  # noqa: E402
 from odb_core.torch import pipeline  # noqa: E402
@@ -539,8 +540,8 @@ def test_an_exact_resume_drops_the_data_of_the_steps_it_skips() -> None:
     assert p is not None
     assert p._replay_checked is True
     assert p._skipped == stop
-    assert p._replayed == set(state["done"])
-    assert not set(state["done"]) & (set(p._raw) | set(p._cut))
+    assert p._replayed == decode(state["done"], "done")
+    assert not decode(state["done"], "done") & (set(p._raw) | set(p._cut))
     assert rows_of(fresh, it) == full[stop + 1 :]
 
 
@@ -629,7 +630,7 @@ def test_an_exact_resume_over_other_samples_raises_naming_ten_of_each() -> None:
     dl = text_loader(ds, **kw)
     head = rows_of(dl, iter(dl), 5)
     state = json.loads(json.dumps(dl.state_dict()))
-    done = sorted(state["done"])
+    done = sorted(decode(state["done"], "done"))
     assert len(done) > 10
     OFFSET[0] = 1000
     try:

@@ -203,16 +203,16 @@ def test_to_dict_is_the_sealed_plain_state() -> None:
     state = replace(LOCAL, carry=((12, 11), ()), fingerprint={"b": 1, "a": 2}).to_dict()
     body = {
         "format": "odb_core.epoch_progress",
-        "version": 3,
+        "version": 4,
         "fingerprint": {"b": 1, "a": 2},
         "epoch": 1,
         "step": 6,
         "emitted": 10,
         "closed": False,
-        "base_done": [0, 1, 2],
+        "base_done": [[0, 3]],
         "world_size": 2,
         "rank": 1,
-        "done": [3, 5],
+        "done": [[3, 4], [5, 6]],
         "carry": [[12, 11], []],
         "window": 3,
         "start_step": 2,
@@ -237,7 +237,7 @@ def test_from_dict_reads_back_what_to_dict_wrote(progress: EpochProgress) -> Non
 def test_from_dict_accepts_tuples_finite_floats_and_nested_plain_data() -> None:
     fp = {"lr": 0.5, "name": "x", "opt": None, "on": True, "nest": {"k": [1, 2.5]}}
     state = replace(LOCAL, fingerprint=fp).to_dict()
-    state = seal({**state, "base_done": (2, 1, 0), "done": (5, 3), "carry": ((), ())})
+    state = seal({**state, "base_done": ((0, 3),), "done": ((3, 4), (5, 6)), "carry": ((), ())})
     back = EpochProgress.from_dict(state)
     assert back == replace(LOCAL, fingerprint=fp, carry=((), ()))
 
@@ -272,25 +272,27 @@ def test_from_dict_previews_a_long_non_state() -> None:
 
 
 OLDER = (
-    ": it was saved by an older odb-core, whose states carry no checksum or no optimizer "
-    "windows, and cannot be resumed by this one (restart the epoch)"
+    ": it was saved by an older odb-core (version 3 lists done ids one by one, older ones "
+    "carry no checksum or no optimizer windows) and cannot be resumed by this one (restart "
+    "the epoch, or resume with the odb-core that saved it)"
 )
 
 
 @pytest.mark.parametrize(
     ("version", "text"),
     [
-        (2, "loader state version 2, expected 3" + OLDER),
-        (0, "loader state version 0, expected 3" + OLDER),
-        (4, "loader state version 4, expected 3"),
-        ("3", "loader state version '3', expected 3"),
-        (3.5, "loader state version 3.5, expected 3"),
-        (True, "loader state version True, expected 3" + OLDER),
-        (None, "loader state version None, expected 3"),
+        (3, "loader state version 3, expected 4" + OLDER),
+        (2, "loader state version 2, expected 4" + OLDER),
+        (0, "loader state version 0, expected 4" + OLDER),
+        (5, "loader state version 5, expected 4"),
+        ("4", "loader state version '4', expected 4"),
+        (3.5, "loader state version 3.5, expected 4"),
+        (True, "loader state version True, expected 4" + OLDER),
+        (None, "loader state version None, expected 4"),
     ],
 )
 def test_from_dict_refuses_another_version(version: object, text: str) -> None:
-    assert STATE_VERSION == 3
+    assert STATE_VERSION == 4
     assert from_dict_error(sealed(version=version)) == text
 
 
@@ -312,14 +314,14 @@ def test_from_dict_names_the_missing_fields_in_schema_order() -> None:
 def test_from_dict_names_the_unknown_fields_sorted_by_repr() -> None:
     state = {**LOCAL.to_dict(), "zz": 1, 7: 2, "aa": 3}
     assert from_dict_error(state) == (
-        "loader state has unknown field(s) 'aa', 'zz', 7: not a state of version 3"
+        "loader state has unknown field(s) 'aa', 'zz', 7: not a state of version 4"
     )
 
 
 @pytest.mark.parametrize(
     ("fields", "text"),
     [
-        ({"done": [3, {5}]}, "loader state field done[1] holds a set ({5}), not plain data"),
+        ({"done": [[3, 4], {5}]}, "loader state field done[1] holds a set ({5}), not plain"),
         ({"step": b"6"}, "loader state field step holds a bytes (b'6'), not plain data"),
         ({"fingerprint": {"a": [1.5, float("inf")]}}, "loader state field fingerprint.a[1]=inf"),
         ({"checksum": float("nan")}, "loader state field checksum=nan is not a finite number"),
@@ -401,12 +403,17 @@ def test_from_dict_refuses_content_that_does_not_match_its_checksum() -> None:
         ({"start_step": None}, "loader state field start_step=None must be a non-negative"),
         ({"start_emitted": -4}, "loader state field start_emitted=-4 must be a non-negative"),
         ({"start_window": False}, "loader state field start_window=False must be a non-negative"),
-        ({"base_done": "012"}, "loader state field base_done must be a list of integer ids"),
-        ({"base_done": {"0": 1}}, "loader state field base_done must be a list of integer ids"),
-        ({"done": [3, True]}, "loader state field done must be a list of integer ids"),
-        ({"done": [3, 5.0]}, "loader state field done must be a list of integer ids"),
-        ({"done": [5, 3, 5, 3]}, "loader state field done holds id 5 twice"),
-        ({"base_done": [0, 1, 2, 1]}, "loader state field base_done holds id 1 twice"),
+        ({"base_done": "012"}, "loader state field base_done must be a list of [start, stop]"),
+        ({"base_done": {"0": 1}}, "loader state field base_done must be a list of [start, st"),
+        ({"done": [3, 5]}, "loader state field done[0]=3 is not a [start, stop] pair of int"),
+        ({"done": [[3, True]]}, "loader state field done[0]=[3, True] is not a [start, stop]"),
+        ({"done": [[3, 5.0]]}, "loader state field done[0]=[3, 5.0] is not a [start, stop]"),
+        ({"done": [[3, 4, 5]]}, "loader state field done[0]=[3, 4, 5] is not a [start, stop]"),
+        ({"done": [[5, 5]]}, "loader state field done[0]=[5, 5] is not a range start < stop"),
+        ({"done": [[2, 1]]}, "loader state field done[0]=[2, 1] is not a range start < stop"),
+        ({"done": [[3, 6], [5, 8]]}, "loader state field done[1]=[5, 8] overlaps, touches or"),
+        ({"done": [[3, 5], [5, 8]]}, "loader state field done[1]=[5, 8] overlaps, touches or"),
+        ({"done": [[7, 8], [3, 4]]}, "loader state field done[1]=[3, 4] overlaps, touches or"),
         ({"emitted": 7}, "loader state has 4 steps since step 2 but only 3 samples emitted"),
     ],
 )
@@ -425,7 +432,7 @@ def test_from_dict_names_the_first_bad_integer_field() -> None:
 
 
 def test_from_dict_checks_the_fields_against_each_other() -> None:
-    state = sealed(done=[2, 3])
+    state = sealed(done=[[2, 4]])
     assert from_dict_error(state) == (
         "loader state: id 2 is in both base_done and done (1 such ids)"
     )

@@ -32,6 +32,7 @@ from torch.utils.data import Dataset  # noqa: E402
 
 from odb_core import ODBDataLoader, ResumeMismatchError, ResumeStateError  # noqa: E402
 from odb_core.errors import ODBError  # noqa: E402
+from odb_core.idset import decode, encode, ranges_of  # noqa: E402
 from odb_core.resume import STATE_VERSION, seal  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
@@ -92,12 +93,18 @@ def edit(**fields: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return lambda s: seal({**s, **fields})
 
 
+def range_ids(compact: Any) -> list[int]:
+    """The ids of a state's compact id set (ranges or bitmap), sorted."""
+    return sorted(decode(compact, "done"))
+
+
 def with_done(f: Callable[[list[int], list[int]], list[int]]) -> Callable[..., dict[str, Any]]:
-    """Re-seal after `done := f(done, ids not emitted)`."""
+    """Re-seal after `done := f(done, ids not emitted)` (as canonical ranges)."""
 
     def tamper(s: dict[str, Any]) -> dict[str, Any]:
-        unemitted = sorted(set(range(N)) - set(s["done"]))
-        return seal({**s, "done": sorted(f(list(s["done"]), unemitted))})
+        done = range_ids(s["done"])
+        unemitted = sorted(set(range(N)) - set(done))
+        return seal({**s, "done": ranges_of(f(done, unemitted))})
 
     return tamper
 
@@ -121,9 +128,10 @@ AT_LOAD: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], dict[str, A
     "checksum missing": (without("checksum"), {}, "no checksum"),
     "checksum bit flipped": (flip_checksum, {}, "checksum mismatch"),
     "content edited, not re-sealed": (unsealed(emitted=3), {}, "checksum mismatch"),
-    "older version 2": (edit(version=2), {}, "version 2, expected 3: it was saved by an older"),
-    "future version": (edit(version=STATE_VERSION + 1), {}, "version 4, expected 3"),
-    "version as a string": (edit(version="3"), {}, "version '3', expected 3"),
+    "older version 3": (edit(version=3), {}, "version 3, expected 4: it was saved by an older"),
+    "older version 2": (edit(version=2), {}, "version 2, expected 4: it was saved by an older"),
+    "future version": (edit(version=STATE_VERSION + 1), {}, "version 5, expected 4"),
+    "version as a string": (edit(version="4"), {}, "version '4', expected 4"),
     "another format": (edit(format="x"), {}, "not an ODBDataLoader state"),
     "missing field": (lambda s: seal(without("window")(s)), {}, "missing the field 'window'"),
     "unknown extra field": (edit(extra=1), {}, "unknown field"),
@@ -134,11 +142,20 @@ AT_LOAD: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], dict[str, A
     "step as a float": (edit(step=4.0), {}, "step=4.0 must be a non-negative integer"),
     "step as a bool": (edit(step=True), {}, "step=True must be a non-negative integer"),
     "closed as an int": (edit(closed=1), {}, "closed=1 must be a bool"),
-    "duplicate id in done": (with_done(lambda d, u: d + d[:1]), {}, "holds id .* twice"),
+    "duplicate id in done": (
+        lambda s: seal({**s, "done": ranges_of(range_ids(s["done"])) * 2}),
+        {},
+        r"done\[\d+\]=.* overlaps, touches or precedes",
+    ),
+    "ids as a list, not ranges": (
+        lambda s: seal({**s, "done": range_ids(s["done"])}),
+        {},
+        r"done\[0\]=\d+ is not a \[start, stop\] pair",
+    ),
     "done id out of range": (with_done(lambda d, u: [*d[1:], N]), {}, f"holds id {N}, which is"),
     "negative done id": (with_done(lambda d, u: [*d[1:], -1]), {}, "holds id -1, which is not"),
     "id in done and base_done": (
-        lambda s: seal({**s, "base_done": s["done"][:1], "start_emitted": 1}),
+        lambda s: seal({**s, "base_done": encode(range_ids(s["done"])[:1]), "start_emitted": 1}),
         {},
         "is in both base_done and done",
     ),
@@ -307,13 +324,15 @@ CROSS: dict[str, Callable[[int, list[Any], list[Any]], Any]] = {
     "closed=true on both ranks": lambda r, a, b: seal({**a[r], "closed": True}),
     "different steps (10 and 20)": lambda r, a, b: a[r] if r == 0 else b[r],
     "different base_done on rank 0": lambda r, a, b: (
-        seal({**a[0], "base_done": a[1]["done"][:1]}) if r == 0 else a[r]
+        seal({**a[0], "base_done": encode(range_ids(a[1]["done"])[:1])}) if r == 0 else a[r]
     ),
     "one emitted id removed from done (rank 0)": lambda r, a, b: (
-        seal({**a[0], "done": a[0]["done"][1:]}) if r == 0 else a[r]
+        seal({**a[0], "done": encode(range_ids(a[0]["done"])[1:])}) if r == 0 else a[r]
     ),
     "one unemitted id added to done (rank 0)": lambda r, a, b: (
-        seal({**a[0], "done": sorted({*a[0]["done"], *b[0]["done"][-1:]})}) if r == 0 else a[r]
+        seal({**a[0], "done": encode({*range_ids(a[0]["done"]), *range_ids(b[0]["done"])[-1:]})})
+        if r == 0
+        else a[r]
     ),
     "step advanced by 5 on both": lambda r, a, b: seal({**a[r], "step": a[r]["step"] + 5}),
     "step and window advanced by 5 on both": lambda r, a, b: seal(
@@ -322,7 +341,9 @@ CROSS: dict[str, Callable[[int, list[Any], list[Any]], Any]] = {
     "epoch differs on rank 0": lambda r, a, b: seal({**a[0], "epoch": 1}) if r == 0 else a[r],
     "ranks swapped their states": lambda r, a, b: a[1 - r],
     "rank 0 holds an id of rank 1": lambda r, a, b: (
-        seal({**a[0], "done": sorted([*a[0]["done"][1:], a[1]["done"][0]])}) if r == 0 else a[r]
+        seal({**a[0], "done": encode([*range_ids(a[0]["done"])[1:], range_ids(a[1]["done"])[0]])})
+        if r == 0
+        else a[r]
     ),
 }
 

@@ -249,7 +249,7 @@ def run_epoch_disagreement(rank: int, world: int, spec: dict[str, Any]) -> dict[
     for _ in loader:
         pass
     if rank == 1:
-        loader.set_epoch(0)
+        loader.set_epoch(0, repeat=True)
     try:
         steps = sum(1 for _ in loader)
     except Exception as exc:

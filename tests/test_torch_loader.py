@@ -36,6 +36,8 @@ from odb_core import (  # noqa: E402
     scaled_loss,
     step_meta,
 )
+from odb_core.errors import EpochFinishedError  # noqa: E402
+from odb_core.idset import decode  # noqa: E402
 from odb_core.protocol import StepInfo  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
@@ -395,8 +397,10 @@ def test_state_of_a_finished_epoch_resumes_with_the_next_epoch() -> None:
     assert ids_of(nxt) == ids_of(run(dl)), "not the epoch the saved run goes on with"
     again = loader(Text(20), shuffle=True)
     again.load_state_dict(state)
-    with pytest.warns(UserWarning, match=r"set_epoch\(0\) repeats epoch 0"):
+    with pytest.raises(EpochFinishedError, match=r"set_epoch\(0\): epoch 0 has completed"):
         again.set_epoch(0)
+    assert again.epoch == 0 and again.state_dict() == state  # nothing changed
+    again.set_epoch(0, repeat=True)
     assert again.epoch == 0 and sorted(ids_of(run(again))) == list(range(20))
 
 
@@ -833,13 +837,14 @@ def test_iterating_again_starts_the_next_epoch(
     assert ids_of(run(explicit)) == orders[2]
 
 
-def test_set_epoch_of_the_completed_epoch_repeats_it_with_a_warning() -> None:
+def test_set_epoch_of_the_completed_epoch_raises_unless_repeat() -> None:
     dl = loader(Text(30), shuffle=True)
     first = ids_of(run(dl))
-    with pytest.warns(UserWarning, match=r"set_epoch\(0\) repeats epoch 0"):
+    with pytest.raises(EpochFinishedError, match=r"set_epoch\(1\) or just iterate"):
         dl.set_epoch(0)
+    dl.set_epoch(0, repeat=True)
     assert ids_of(run(dl)) == first and dl.epoch == 0
-    dl.set_epoch(7)  # another epoch: no warning
+    dl.set_epoch(7)  # another epoch: allowed
     assert dl.epoch == 7 and sorted(ids_of(run(dl))) == list(range(30))
 
 
@@ -936,7 +941,7 @@ def test_non_deterministic_resume_keeps_exactly_once_and_opens_a_new_window() ->
     fresh.load_state_dict(state)
     after = run(fresh)
     assert after[0].step == 4 and after[0].window == 2  # a fresh run starts a new window
-    assert sorted([*state["done"], *ids_of(after)]) == list(range(60))
+    assert sorted([*decode(state["done"], "done"), *ids_of(after)]) == list(range(60))
 
 
 def test_an_old_state_version_is_refused_clearly() -> None:

@@ -70,7 +70,7 @@ def test_two_resumes_at_other_world_sizes_cover_exactly_once(
 def test_round_trip_is_plain_data() -> None:
     p = replace(progress(2, 1, {3, 1, 2}, frozenset({9})), start_emitted=1)
     d = p.to_dict()
-    assert d["done"] == [1, 2, 3] and d["base_done"] == [9]
+    assert d["done"] == [[1, 4]] and d["base_done"] == [[9, 10]]
     assert EpochProgress.from_dict(d) == p
     q = replace(p, window=4, start_step=2, start_emitted=5, start_window=1)
     d = q.to_dict()
@@ -96,7 +96,7 @@ def test_an_older_state_version_is_refused_naming_it() -> None:
     old = {k: v for k, v in d.items() if "window" not in k and not k.startswith("start_")}
     for version in (1, 2):
         with pytest.raises(
-            ConfigError, match=rf"version {version}, expected 3: it was saved by an older"
+            ConfigError, match=rf"version {version}, expected 4: it was saved by an older"
         ):
             EpochProgress.from_dict({**old, "version": version})
 
@@ -136,7 +136,7 @@ def test_merge_rejects_states_from_different_steps() -> None:
         ({"step": -1}, "step=-1"),
         ({"start_step": -2}, "start_step=-2"),
         ({"window": "x"}, "window='x'"),
-        ({"done": ["a"]}, "done must be a list"),
+        ({"done": ["a"]}, r"done\[0\]='a' is not a \[start, stop\] pair"),
     ],
 )
 def test_from_dict_names_the_bad_field(bad: dict[str, object], needle: str) -> None:

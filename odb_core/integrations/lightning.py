@@ -60,6 +60,7 @@ from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressB
 from torch.utils.data import DataLoader
 
 from odb_core.errors import ConfigError, ODBError, ODBPeerError
+from odb_core.idset import decode, encode
 from odb_core.integrations.versions import extra_range, in_range
 from odb_core.progress import RunProgress
 from odb_core.protocol import StepInfo
@@ -478,7 +479,7 @@ class ODBDataModule(pl.LightningDataModule):
                 **after,
                 "step": last.step,
                 "emitted": after["emitted"] - last.global_samples,
-                "done": [i for i in after["done"] if i not in ids],
+                "done": encode(decode(after["done"], "done") - ids),
                 "closed": False,
                 "window": start["window"] if prev is None else prev.window + 1,
                 "carry": start["carry"],

@@ -59,7 +59,7 @@ from odb_core.config import (
     default_buffer_size,
 )
 from odb_core.cost import Budget, CostModel
-from odb_core.errors import ConfigError, ODBError, ResumeStateError
+from odb_core.errors import ConfigError, EpochFinishedError, ODBError, ResumeStateError
 from odb_core.estimate import StepsEstimate
 from odb_core.formers import FormerKind
 from odb_core.ledger import Ledgers, ages, ledger_ids, rank_order, without
@@ -68,6 +68,7 @@ from odb_core.protocol import RankMachine, StepInfo
 from odb_core.resume import (
     EpochProgress,
     ResumeClaim,
+    ResumeReport,
     check_claims,
     fingerprint_mismatch,
     merge,
@@ -408,6 +409,8 @@ class ODBDataLoader:
         # The current epoch completed (iterated to its end, or loaded closed) and no
         # set_epoch since: the next iter() starts epoch + 1.
         self._advance = False
+        # What the last load_state_dict resumed from (None before any).
+        self.resume_report: ResumeReport | None = None
         self._serial = 0  # bumped by set_epoch / load_state_dict: older iterators stop counting
         self.step_info: StepInfo | None = None
         self._carry: Ledgers = ()  # pending: into the running pass, or out of a closed one
@@ -584,25 +587,23 @@ class ODBDataLoader:
         """Realised aligned steps of each finished epoch (the same on every rank)."""
         return dict(self._length.realised)
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, *, repeat: bool = False) -> None:
         """Select the epoch (its shuffle order); call it on every rank, as with
         DistributedSampler. Forwarded to the dataset and sampler if they have one.
 
-        Without it, iterating again after a completed epoch starts the next one;
-        naming the epoch that has just completed repeats it (with a warning)."""
+        Without it, iterating again after a completed epoch starts the next one, as
+        does iterating after loading a state saved at an epoch's end. Naming an
+        epoch that has completed (the one just finished, or an earlier one) raises
+        `EpochFinishedError`, unless `repeat=True` says to train it again."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
-        self._serial += 1
-        if self._advance and epoch == self.epoch:
-            warnings.warn(
-                f"set_epoch({epoch}) repeats epoch {epoch}, which has just completed (its "
-                "samples and order come again); iterating without set_epoch starts the "
-                "next epoch",
-                stacklevel=2,
-            )
+        if self._advance and epoch <= self.epoch:
+            if not repeat:
+                raise EpochFinishedError(epoch, self.epoch)
             if self._resume is not None and self._resume.closed:
                 self._resume = None
             self._reset_progress()
+        self._serial += 1
         self._advance = False
         if self._resume is not None and self._resume.epoch != epoch:
             if not self._resume.closed:
@@ -719,6 +720,7 @@ class ODBDataLoader:
             # A state taken after the epoch's last batch: the epoch completed, so
             # iterating starts the next one, as it would have in the saved run.
             self._advance = progress.closed
+            self.resume_report = ResumeReport.of(progress, self.world_size)
 
     # ---- internals -------------------------------------------------------------
 

@@ -112,13 +112,21 @@ class GlooTransport:
         store = _default_store()
         if store is not None:
             self.board = PeerBoard(store, self.seq, self.rank, self.world_size, self.timeout)
-            self.board.rendezvous(dict(summary or {}))
+            try:
+                self.board.rendezvous(dict(summary or {}))
+            except (ConfigError, ODBPeerError):
+                raise
+            except RuntimeError as exc:  # DistNetworkError &c.: the store's host is gone
+                raise _store_lost(self.rank, exc) from exc
         before = _socket_inodes()
         # A collective on the default group: every rank constructs its loader in the
         # same order, as it does for any process group.
-        self.group = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
-        )
+        try:
+            self.group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
+            )
+        except RuntimeError as exc:
+            raise self.peer_error(exc, "forming the loader's gloo group failed") from exc
         self.socket_inodes = frozenset(_socket_inodes() - before)
         if self.board is not None:
             self.board.start_watch()
@@ -174,7 +182,10 @@ class GlooTransport:
     def report(self, exc: BaseException) -> None:
         """Tell the peers this rank's loader failed (best effort, in the background)."""
         if self.board is not None:
-            self.board.report(f"{type(exc).__name__}: {exc}")
+            # A peer error this rank only relays names the ranks that failed before it,
+            # so a reader can name those first (see PeerBoard.verdict).
+            relayed = exc.ranks if isinstance(exc, ODBPeerError) else ()
+            self.board.report(f"{type(exc).__name__}: {exc}", relayed)
 
     def flush(self, wait: float) -> None:
         """Wait (at most `wait` s) for the failure note to reach the store."""
@@ -225,6 +236,43 @@ class GlooTransport:
             )
             why = f"{who} hung: {what} within peer_timeout={self.timeout:g}s; {how}"
         return ODBPeerError(f"rank {self.rank}: {why}: {text}", ranks=ranks, cause=cause)
+
+
+def _parse_note(raw: str) -> tuple[tuple[int, ...], str]:
+    """(ranks the note relays, its message) of a peer's failure note."""
+    try:
+        d = json.loads(raw)
+        relayed = tuple(int(r) for r in d["relayed"])
+        return relayed, str(d["message"])
+    except (ValueError, KeyError, TypeError):
+        return (), raw
+
+
+def _first_failed(faults: Mapping[int, tuple[tuple[int, ...], str]], me: int) -> tuple[int, ...]:
+    """The failed ranks, those that failed first ahead: a rank whose note relays
+    another rank's failure comes after the ranks it names, which come first even if
+    they left no note of their own (killed). A note that names the reader `me` (a
+    peer gave up waiting on it) names no one first."""
+    roots: list[int] = []
+    for r in sorted(faults):
+        if not faults[r][0]:
+            roots.append(r)
+    for r in sorted(faults):
+        roots.extend(x for x in faults[r][0] if x not in roots and x not in faults and x != me)
+    relays = [r for r in sorted(faults) if r not in roots]
+    return tuple(roots + relays)
+
+
+def _store_lost(rank: int, exc: BaseException) -> ODBPeerError:
+    """The store died while this rank met its peers: under init_method tcp:// or env://
+    its host is rank 0 (under torchrun, the agent)."""
+    return ODBPeerError(
+        f"rank {rank}: rank 0 died while the ranks constructed their ODBDataLoaders: the "
+        f"rendezvous store it hosts (under tcp:// or env://; under torchrun, the agent "
+        f"hosts it) is unreachable: {exc}",
+        ranks=(0,) if rank != 0 else (),
+        cause=PeerFault.DIED,
+    )
 
 
 def _who(ranks: tuple[int, ...]) -> str:
@@ -365,7 +413,7 @@ class PeerBoard:
         self._lock = threading.Lock()
         self._waiters = 0
         self._failed_seen = 0
-        self._faults: dict[int, str] = {}
+        self._faults: dict[int, tuple[tuple[int, ...], str]] = {}  # rank -> (relayed, why)
         self._stale: dict[int, float] = {}
         self._store_lost: BaseException | None = None
         self._posting: threading.Thread | None = None
@@ -410,8 +458,9 @@ class PeerBoard:
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world) if not self.store.check([keys[r]])]
                 raise ODBPeerError(
-                    f"rank {self.rank}: ranks {missing} did not construct their ODBDataLoader "
-                    f"within peer_timeout={self.timeout:g}s",
+                    f"rank {self.rank}: {_who(tuple(missing))} did not construct "
+                    f"{'its' if len(missing) == 1 else 'their'} ODBDataLoader within "
+                    f"peer_timeout={self.timeout:g}s (gone, or stuck before it)",
                     ranks=tuple(missing),
                     cause=PeerFault.HUNG,
                 )
@@ -452,8 +501,9 @@ class PeerBoard:
                 if not self._waiters:
                     self._stale = {}
 
-    def report(self, message: str) -> None:
-        self._posting = self.post(f"fault{self.rank}", message[:4000], "failed")
+    def report(self, message: str, relayed: tuple[int, ...] = ()) -> None:
+        note = json.dumps({"relayed": list(relayed), "message": message[:4000]})
+        self._posting = self.post(f"fault{self.rank}", note, "failed")
 
     def flush(self, wait: float) -> None:
         if self._posting is not None:
@@ -470,10 +520,11 @@ class PeerBoard:
             faults, stale = dict(self._faults), dict(self._stale)
             lost = self._store_lost if store_lost else None
         if faults:
-            ranks = tuple(sorted(faults))
-            detail = "; ".join(f"rank {r}: {faults[r]}" for r in ranks)
+            ranks = _first_failed(faults, self.rank)
+            detail = "; ".join(f"rank {r}: {faults[r][1]}" for r in ranks if r in faults)
+            then = f" (then {_who(ranks[1:])})" if len(ranks) > 1 else ""
             return ODBPeerError(
-                f"rank {self.rank}: {_who(ranks)} failed and left: {detail}",
+                f"rank {self.rank}: {_who(ranks[:1])} failed{then} and left: {detail}",
                 ranks=ranks,
                 cause=PeerFault.FAILED,
             )
@@ -516,9 +567,9 @@ class PeerBoard:
             if failed > self._failed_seen:
                 for r in range(self.world):
                     if r != self.rank and r not in self._faults and s.check([f"fault{r}"]):
-                        msg = s.get(f"fault{r}").decode(errors="replace")
+                        note = _parse_note(s.get(f"fault{r}").decode(errors="replace"))
                         with self._lock:
-                            self._faults[r] = msg
+                            self._faults[r] = note
                 self._failed_seen = failed
 
     def probe(self) -> dict[int, str]:

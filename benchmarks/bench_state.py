@@ -1,0 +1,75 @@
+"""The resume state at scale: 1,000,000 samples, 500,000 done (a shuffled epoch, so
+the done ids are scattered), world size 1. Prints the state's JSON size, the time of
+`json.loads`, of `load_state_dict`, and of the first batch after it (targets in
+issue 20: <= 1 MB, load + first batch <= 0.5 s).
+
+    .venv/bin/python benchmarks/bench_state.py [--samples 1000000] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from typing import Any
+
+from odb_core import ODBDataLoader
+from odb_core.resume import EpochProgress
+from odb_core.torch.sharding import epoch_order
+
+
+class Tiny:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return {"input_ids": [1] * (1 + i % 7)}
+
+
+def make(n: int) -> ODBDataLoader:
+    return ODBDataLoader(
+        Tiny(n), token_budget=64, collate_fn=len, shuffle=True, seed=0, prefetch_thread=False
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--samples", type=int, default=1_000_000)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    n, half = a.samples, a.samples // 2
+    loader = make(n)
+    first = EpochProgress.from_dict(loader.state_dict())
+    # the first half of the epoch's shuffled order, as a rank that trained it has done
+    order = epoch_order(n, shuffle=True, seed=0, epoch=0)
+    done = frozenset(order[:half])
+    steps = half // 10
+    state = replace(first, step=steps, window=steps, emitted=half, done=done).to_dict()
+    text = json.dumps(state)
+    t0 = time.perf_counter()
+    parsed: Any = json.loads(text)
+    t1 = time.perf_counter()
+    fresh = make(n)
+    fresh.load_state_dict(parsed)
+    t2 = time.perf_counter()
+    it = iter(fresh)
+    next(it)
+    t3 = time.perf_counter()
+    out = {
+        "samples": n,
+        "done": half,
+        "state_bytes": len(text),
+        "json_loads_s": round(t1 - t0, 3),
+        "load_state_dict_s": round(t2 - t1, 3),
+        "first_batch_s": round(t3 - t2, 3),
+        "load_plus_first_batch_s": round(t3 - t1, 3),
+    }
+    print(json.dumps(out) if a.json else json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""A training loop under torchrun (tests/test_torchrun_*.py): joins the group through
+odb_core.torch.elastic, resumes from the newest complete checkpoint under `out`,
+logs each step's ids, checkpoints every `every` steps, and kill -9s itself where
+told (`--kill-rank` at `--kill-step` of attempt 0)."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from odb_core import ODBDataLoader
+from odb_core.torch.elastic import init_process_group
+
+
+def collate(batch: list[dict[str, list[int]]]) -> int:
+    return len(batch)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--samples", type=int, default=120)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    ds = [{"input_ids": list(range(1 + (i * 7) % 13))} for i in range(a.samples)]
+    loader = ODBDataLoader(
+        ds, token_budget=24, collate_fn=collate, num_workers=a.workers, peer_timeout=30
+    )
+    done = sorted(glob.glob(f"{a.out}/ckpt/*/complete"))
+    if done:
+        d = os.path.dirname(done[-1])
+        files = sorted(Path(d).glob("rank*.json"))
+        states = [json.loads(f.read_text()) for f in files]
+        loader.load_state_dict(states)
+    # one log per incarnation of the group: a failure restart bumps `attempt`, a
+    # node joining or leaving (--nnodes=MIN:MAX) changes `world`
+    tag = f"{a.out}/log.{attempt}-{world}.r{rank}"
+    rep = loader.resume_report
+    first = 0 if rep is None else rep.epoch + rep.closed
+    with open(tag, "a") as log:
+        log.write(json.dumps({"start": time.time()}) + "\n")
+        if rep is not None:
+            log.write(json.dumps({"resume": rep.to_dict()}) + "\n")
+        for epoch in range(first, a.epochs):
+            loader.set_epoch(epoch)
+            for _ in loader:
+                info = loader.step_info
+                assert info is not None
+                row = {"epoch": epoch, "step": info.step, "pad": info.is_pad}
+                log.write(json.dumps({**row, "ids": list(info.sample_ids)}) + "\n")
+                log.flush()
+                if attempt == 0 and rank == a.kill_rank and info.step == a.kill_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(a.step_sleep)
+                if (info.step + 1) % a.every == 0:
+                    d = f"{a.out}/ckpt/{epoch:03d}-{info.step + 1:06d}"
+                    os.makedirs(d, exist_ok=True)
+                    with open(f"{d}/rank{rank}.json", "w") as f:
+                        json.dump(loader.state_dict(), f)
+                    dist.barrier()
+                    if rank == 0:
+                        open(f"{d}/complete", "w").close()
+            log.write(json.dumps({"end": epoch}) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
