@@ -18,6 +18,20 @@ import torch.multiprocessing as mp
 from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources
 
 
+def set_rank_env(rank: int, world: int, port: int, **extra: str) -> None:
+    """The environment torchrun gives a worker on one local node (what Accelerate,
+    Lightning and HF read to find their rank), for ranks spawned by hand."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **extra,
+    )
+
+
 def _entry(rank: int, world: int, port: int, target: str, spec: dict[str, Any], out: str) -> None:
     init_local_gloo(rank, world, port, timeout_s=60)
     module, name = target.split(":")

@@ -45,6 +45,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import torch.multiprocessing as mp  # noqa: E402
+from gloo_ranks import set_rank_env  # noqa: E402
 from sft_support import (  # noqa: E402
     COLLATES,
     ChatSFT,
@@ -324,15 +325,7 @@ def run_bad_input(accelerator: Any) -> dict[str, str]:
 
 
 def _rank_entry(rank: int, world: int, port: int, out: str, phase: str, ckpt: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
+    set_rank_env(rank, world, port, OMP_NUM_THREADS="1")
     try:
         init_local_gloo(rank, world, port, timeout_s=120)
         from accelerate import Accelerator

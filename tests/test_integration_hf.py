@@ -53,7 +53,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp  # noqa: E402
 from gloo_ranks import launch as launch_ranks  # noqa: E402
-from gloo_ranks import ok  # noqa: E402
+from gloo_ranks import ok, set_rank_env  # noqa: E402
 from sft_support import ChatSFT, Reference, flat_grad, pad_collate, rel_l2, tiny_llama  # noqa: E402
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -231,15 +231,7 @@ def _checkpoint_inside(windows: list[dict[str, Any]], epoch: int, every: int) ->
 
 
 def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
+    set_rank_env(rank, world, port, OMP_NUM_THREADS="1")
     init_local_gloo(rank, world, port, timeout_s=120)
     warnings.simplefilter("ignore")
     try:
@@ -587,15 +579,7 @@ def test_resume_on_one_process_ends_on_the_last_update(
 
 def run_resume_on(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """`epochs`' 2-rank checkpoint resumed on `world` ranks (gloo_ranks.launch)."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(spec["port"]),
-        OMP_NUM_THREADS="1",
-    )
+    set_rank_env(rank, world, spec["port"], OMP_NUM_THREADS="1")
     warnings.simplefilter("ignore")
     r = run("epochs", Path(spec["out"]), resume=spec["ckpt"], save_strategy="no")
     return {

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
-from gloo_ranks import launch, ok  # noqa: E402
+from gloo_ranks import launch, ok, set_rank_env  # noqa: E402
 from sft_support import VOCAB, ChatSFT, pad_collate  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
@@ -43,14 +42,7 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 def _accelerator(rank: int, world: int, port: int) -> Any:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_rank_env(rank, world, port)
     from accelerate import Accelerator
 
     return Accelerator(cpu=True)
