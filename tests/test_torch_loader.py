@@ -13,6 +13,7 @@ import math
 import random
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -241,6 +242,20 @@ def test_every_sample_once_and_step_info_matches_the_batch(n: int, thread: bool)
         assert info.loss_scale == 1.0 and not info.is_pad
     infos = run(dl)
     assert sorted(ids_of(infos)) == list(range(97))
+
+
+@pytest.mark.parametrize("n", [0, 2])
+def test_close_stops_the_protocol_thread_and_a_new_iteration_starts(n: int) -> None:
+    """Trainers call close() at train end, before the group is torn down: no
+    `odb-protocol` thread may outlive it, and the loader still iterates after."""
+    dl = loader(Text(97), **workers(n), shuffle=True, prefetch_thread=True)
+    it = iter(dl)
+    next(it)
+    assert any(t.name == "odb-protocol" and t.is_alive() for t in threading.enumerate())
+    dl.close()
+    assert not any(t.name == "odb-protocol" and t.is_alive() for t in threading.enumerate())
+    dl.close()  # idempotent
+    assert sorted(ids_of(run(dl))) == list(range(97))
 
 
 def test_with_step_info_yields_pairs() -> None:

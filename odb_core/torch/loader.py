@@ -919,6 +919,15 @@ class ODBDataLoader:
         self._index_sampler.indices = ids
         return iter(self._inner)
 
+    def close(self) -> None:
+        """Stop the current iteration's protocol thread and its DataLoader workers,
+        after the rounds every rank issues anyway. Call it on every rank when
+        training ends, before `destroy_process_group`, so that no thread of the
+        loader is inside a collective while the group is torn down (trainer
+        adapters do it at train end). Iterating again starts as usual."""
+        with self._lock:
+            self._stop_pipeline()
+
     def _stop_pipeline(self) -> None:
         p = self._pipeline
         if p is None:
