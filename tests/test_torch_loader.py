@@ -248,12 +248,18 @@ def test_every_sample_once_and_step_info_matches_the_batch(n: int, thread: bool)
 def test_close_stops_the_protocol_thread_and_a_new_iteration_starts(n: int) -> None:
     """Trainers call close() at train end, before the group is torn down: no
     `odb-protocol` thread may outlive it, and the loader still iterates after."""
+
+    def protocol_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "odb-protocol"}
+
+    others = protocol_threads()  # earlier tests' loaders may still hold theirs
     dl = loader(Text(97), **workers(n), shuffle=True, prefetch_thread=True)
     it = iter(dl)
     next(it)
-    assert any(t.name == "odb-protocol" and t.is_alive() for t in threading.enumerate())
+    mine = protocol_threads() - others
+    assert len(mine) == 1 and all(t.is_alive() for t in mine)
     dl.close()
-    assert not any(t.name == "odb-protocol" and t.is_alive() for t in threading.enumerate())
+    assert not any(t.is_alive() for t in mine)
     dl.close()  # idempotent
     assert sorted(ids_of(run(dl))) == list(range(97))
 
