@@ -18,8 +18,8 @@ demo: $(STAMP)
 	$(VENV)/bin/odb demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check odb_core simulator tests benchmarks tools
-	$(VENV)/bin/ruff format --check odb_core simulator tests benchmarks tools
+	$(VENV)/bin/ruff check odb_core simulator tests benchmarks tools examples
+	$(VENV)/bin/ruff format --check odb_core simulator tests benchmarks tools examples
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy odb_core

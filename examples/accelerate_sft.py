@@ -98,7 +98,7 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=400)
     parser.add_argument("--epochs", type=int, default=2)
@@ -108,9 +108,10 @@ def main() -> None:
     parser.add_argument("--ckpt", help="folder for accelerator.save_state")
     parser.add_argument("--save-at-update", type=int, help="save after this optimizer update")
     parser.add_argument("--resume", help="accelerator.load_state from this folder first")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # starts the process group
+
+def train_epochs(args: argparse.Namespace, accelerator: Accelerator) -> None:
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = ODBDataLoader(  # after Accelerator(): it splits the data over the ranks
@@ -167,10 +168,19 @@ def main() -> None:
             f"estimate {len(train)}, mean loss {ce / max(tokens, 1):.3f} over {int(tokens)} "
             f"loss tokens, lr {scheduler.get_last_lr()[0]:.2e}"
         )
+    train.close()  # the loader's protocol thread ends here, not at exit
     accelerator.print(f"done on {accelerator.num_processes} ranks")
-    # A barrier before the process groups are destroyed: gloo's worker thread may still
-    # hold the last all-reduce (of `stats`) and need the GIL to free it, while the
-    # group's destructor holds the GIL and waits for that thread (pytorch#56297).
+
+
+def main() -> None:
+    args = parse_args()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # starts the process group
+    train_epochs(args, accelerator)
+    # Tear down once the model is gone: while it is alive it holds the process group,
+    # and a group freed by the model is freed with the GIL held while gloo's thread
+    # may wait for the GIL (pytorch#56297): a hang at exit. `free_memory` drops the
+    # accelerator's own references; the barrier lets gloo finish the last collective.
+    accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroys the process groups
 

@@ -99,7 +99,7 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=400)
     parser.add_argument("--epochs", type=int, default=2)
@@ -107,10 +107,11 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=2, help="steps per optimizer window")
     parser.add_argument("--even", action="store_true", help="balanced, shuffled data instead")
     parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def train(args: argparse.Namespace) -> None:
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")  # torchrun sets RANK, WORLD_SIZE, ...
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
     if device is not None:
@@ -168,10 +169,20 @@ def main() -> None:
                 f"mean loss {ce / tokens:.3f} over {int(tokens)} loss tokens",
                 flush=True,
             )
+    loader.close()  # its protocol thread ends here, not at exit
     if rank == 0:
         print(f"done on {world} ranks")
-    # A barrier first: gloo's worker thread may still hold the last all-reduce and need
-    # the GIL to free it while the group's destructor holds the GIL (pytorch#56297).
+
+
+def main() -> None:
+    args = parse_args()
+    # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    train(args)
+    # Tear down only once `train` has returned: while the model is alive it holds
+    # the process group, and a group freed by the model is freed with the GIL held
+    # while gloo's thread may wait for the GIL (pytorch#56297): a hang at exit. The
+    # barrier lets gloo's thread finish the last collective.
     dist.barrier()
     dist.destroy_process_group()
 

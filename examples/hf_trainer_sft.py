@@ -21,6 +21,7 @@ masked (-100). What changes from a `Trainer` run with a batch size:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 from collections.abc import Sequence
@@ -123,7 +124,7 @@ class EpochReport(TrainerCallback):
             self.line = ""
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--epochs", type=int, default=2)
@@ -133,8 +134,10 @@ def main() -> None:
     parser.add_argument("--output-dir", default="hf_trainer_sft_out")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N updates")
     parser.add_argument("--resume", action="store_true", help="from the last checkpoint")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def train(args: argparse.Namespace) -> None:
     training = TrainingArguments(
         output_dir=args.output_dir,
         num_train_epochs=args.epochs,
@@ -170,11 +173,16 @@ def main() -> None:
             f"now estimated at {estimate.steps} steps, upper {estimate.upper}), mean loss "
             f"{out.training_loss:.3f}"
         )
-    import torch.distributed as dist
 
+
+def main() -> None:
+    train(parse_args())  # TrainingArguments starts the process group under torchrun
+    gc.collect()  # the Trainer and its callbacks refer to each other: free the model now
     if dist.is_initialized():
-        # A barrier first: tearing gloo down right after an all-reduce can deadlock
-        # or abort in torch's own teardown (pytorch#56297).
+        # Tear down only once `train` has returned: while the model is alive it holds
+        # the process group, and a group freed by the model is freed with the GIL held
+        # while gloo's thread may wait for the GIL (pytorch#56297): a hang at exit. The
+        # barrier lets gloo's thread finish the last collective.
         dist.barrier()
         dist.destroy_process_group()
 

@@ -26,6 +26,7 @@ prompt labels are masked, long-tailed lengths). What is Lightning-specific:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -106,7 +108,7 @@ class StopAt(Callback):
             trainer.should_stop = True
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--epochs", type=int, default=2)
@@ -117,8 +119,10 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N updates")
     parser.add_argument("--stop-at", type=int, default=0, help="stop after N updates")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dm = ODBDataModule(
         ChatSFT(args.samples),
@@ -157,6 +161,17 @@ def main() -> None:
             f"(estimated {model.estimate})",
             flush=True,
         )
+
+
+def main() -> None:
+    train(parse_args())  # Lightning starts the process group inside fit
+    # Lightning leaves the group alive. Free it here, once the model is gone, and not
+    # at interpreter exit, where gloo's thread may still need the GIL to free the last
+    # collective's tensors (pytorch#56297). The barrier lets that collective finish.
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -72,16 +72,17 @@ class TinyLM(nn.Module):
         return logits
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--token-budget", type=int, default=1024)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
+
+def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DistributedDataParallel(TinyLM())
@@ -129,7 +130,17 @@ def main() -> None:
     if rank == 0:
         state = loader.state_dict()  # plain data; resume with load_state_dict
         print(f"done on {world} ranks; resumable state at step {state['step']}")
-    dist.barrier()  # before teardown: see pytorch#56297
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    train(args)
+    # Tear down only once `train` has returned: while the DDP model is alive its
+    # reducer holds the process group, and a group freed by the reducer is freed
+    # with the GIL held while gloo's thread may wait for the GIL (pytorch#56297):
+    # a hang at exit. The barrier lets gloo's thread finish the last collective.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -111,7 +111,7 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=600)
     parser.add_argument("--epochs", type=int, default=2)
@@ -122,9 +122,10 @@ def main() -> None:
     window.add_argument("--tokens-per-update", type=int, help="loss tokens per optimizer window")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
+
+def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(tiny_llama())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -172,10 +173,19 @@ def main() -> None:
                 f"{int(samples)} samples (dataset {args.samples}), rank 0 pad steps {pads}, "
                 f"mean loss {ce / tokens:.3f} over {int(tokens)} loss tokens"
             )
+    loader.close()  # its protocol thread and workers end here, not at exit
     if rank == 0:
         print(f"done on {world} ranks")
-    # A barrier first: tearing gloo down right after an all-reduce can deadlock
-    # in torch's own teardown (pytorch#56297).
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    train(args)
+    # Tear down only once `train` has returned: while the DDP model is alive its
+    # reducer holds the process group, and a group freed by the reducer is freed
+    # with the GIL held while gloo's thread may wait for the GIL (pytorch#56297):
+    # a hang at exit. The barrier lets gloo's thread finish the last collective.
     dist.barrier()
     dist.destroy_process_group()
 

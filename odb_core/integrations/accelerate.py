@@ -310,6 +310,11 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
         else:
             self.loader.load_state_dict(list(ranks))
 
+    def close(self) -> None:
+        """`ODBDataLoader.close()`: call it on every rank when training ends, before
+        `accelerator.end_training()`."""
+        self.loader.close()
+
     def __repr__(self) -> str:
         return f"<ODBAcceleratedLoader of {self.loader!r} on {self.accelerator.device}>"
 

@@ -555,6 +555,13 @@ class ODBCallback(Callback):
             )
         self._datamodule(trainer)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Stop the loader's protocol thread now, on every rank, not at interpreter
+        # exit, where it could still be inside a collective of a group being freed.
+        dm = _datamodule_of(trainer)
+        if isinstance(dm, ODBDataModule) and dm._loader is not None:
+            dm._loader.close()
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
