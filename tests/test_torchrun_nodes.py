@@ -10,7 +10,16 @@ import pytest
 
 pytest.importorskip("torch")
 
-from torchrun_runs import HANG_GUARD_S, check_run, kill, launch, start, steps_logged, wait_for
+from torchrun_runs import (
+    HANG_GUARD_S,
+    check_run,
+    kill,
+    launch,
+    listening,
+    start,
+    steps_logged,
+    wait_for,
+)
 
 from odb_core.torch.launch import free_port
 
@@ -55,3 +64,36 @@ def test_elastic_size_a_node_joins_and_the_loader_resumes_at_world_two(tmp_path:
     first, joined = facts["resumes"]
     assert first is None and joined is not None
     assert joined["world_size"] == 2 and joined["samples_done"] > 0
+
+
+def test_elastic_size_a_node_leaves_and_the_loader_resumes_at_world_one(tmp_path: Path) -> None:
+    """--nnodes=1:2: nodes A and B train at world 2; B is kill -9'd (its torchrun and
+    worker). A's worker fails on the lost peer, torchrun restarts it, the rendezvous
+    closes with A alone, and it resumes at world 1 from the last complete checkpoint
+    (both old ranks' states): every id once, but for the replay since it."""
+    flags = [
+        "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1", "--monitor-interval=0.2",
+        "--rdzv-conf=last_call_timeout=5,join_timeout=60",
+    ]  # fmt: skip
+    args = ["--samples", str(SAMPLES), "--every", str(EVERY), "--step-sleep", "0.5"]
+    port = free_port()
+    a = start(tmp_path, 0, flags, port, args, share_store=False)
+    b = None
+    try:
+        # A hosts the rendezvous store (the first to bind the port does): B's death
+        # must not take the store with it.
+        wait_for(lambda: listening(port), "node A's rendezvous store", [a])
+        b = start(tmp_path, 1, flags, port, args, share_store=False)
+        wait_for(lambda: steps_logged(tmp_path, 2) >= EVERY + 2, "world 2 steps", [a, b])
+        kill(b)
+        assert a.wait(timeout=HANG_GUARD_S) == 0, (tmp_path / "torchrun0.txt").read_text()[-3000:]
+    finally:
+        kill(a)
+        if b is not None:
+            kill(b)
+    facts = check_run(tmp_path, SAMPLES, 1, EVERY)
+    # A may run alone (world 1) for a moment before B joins: what matters is the end
+    assert facts["worlds"][-2:] == [2, 1]
+    left = facts["resumes"][-1]
+    assert left is not None and left["world_size"] == 1 and left["samples_done"] > 0
+    assert facts["replayed_steps"] <= EVERY

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +15,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from odb_core.torch.launch import free_port
 
@@ -40,9 +44,17 @@ def start(
 
 
 def kill(p: subprocess.Popen[bytes]) -> None:
-    """kill -9 a torchrun and everything it started."""
+    """kill -9 a torchrun and everything it started: its session, and its workers,
+    which torchrun starts in sessions of their own."""
     if p.poll() is None:
+        try:
+            workers = psutil.Process(p.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            workers = []
         os.killpg(p.pid, signal.SIGKILL)
+        for w in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.kill()
         p.wait()
 
 
@@ -64,6 +76,12 @@ def steps_logged(out: Path, world: int) -> int:
     for f in out.glob(f"log.*-{world}.r0"):
         n += sum(1 for line in f.read_text().splitlines() if '"step"' in line)
     return n
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:`port`."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wait_for(cond: Callable[[], bool], what: str, procs: list[subprocess.Popen[bytes]]) -> None:
