@@ -5,6 +5,7 @@ replay since the checkpoint, which is at most the checkpoint interval."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,21 @@ def test_restart_after_kill_resumes_from_checkpoint_and_finishes(
     assert facts["resume"]["epoch"] == 0 and facts["resume"]["step"] == 8
     assert 2 <= facts["replayed_steps"] <= EVERY
     assert facts["replayed_ids"] > 0
+
+
+def test_survivors_name_the_killed_rank_first(tmp_path: Path) -> None:
+    """3 ranks, no restart, rank 2 kill -9'd mid-epoch: ranks 0 and 1 both raise
+    ODBPeerError and both lead with rank 2, though one of them may also hear of
+    the failure relayed by the other."""
+    flags = ["--nnodes=1", "--nproc_per_node=3", "--max-restarts=0"]
+    # no checkpoints (a barrier there would fail in gloo, not in the loader)
+    args = ["--samples", str(SAMPLES), "--every", "1000", "--kill-rank", "2", "--kill-step", "5"]
+    codes = launch(tmp_path, [flags], worker=args)
+    assert codes != [0], "a rank was killed: torchrun must fail"
+    errors = {
+        int(f.name.split(".r")[1][0]): json.loads(f.read_text()) for f in tmp_path.glob("error.*")
+    }
+    assert sorted(errors) == [0, 1], (tmp_path / "torchrun0.txt").read_text()[-3000:]
+    for rank, fault in errors.items():
+        assert fault["ranks"][0] == 2, (rank, fault)
+        assert "rank 2" in fault["message"].split(";")[0], (rank, fault)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from odb_core import ODBDataLoader
+from odb_core import ODBDataLoader, ODBPeerError
 from odb_core.torch.elastic import init_process_group
 
 
@@ -52,6 +52,17 @@ def main() -> None:
     # one log per incarnation of the group: a failure restart bumps `attempt`, a
     # node joining or leaving (--nnodes=MIN:MAX) changes `world`
     tag = f"{a.out}/log.{attempt}-{world}.r{rank}"
+    try:
+        train(a, loader, tag, rank, attempt)
+    except ODBPeerError as exc:  # what this rank was told, for the test to read
+        fault = {"ranks": list(exc.ranks), "cause": str(exc.cause), "message": str(exc)}
+        Path(f"{a.out}/error.{attempt}-{world}.r{rank}.json").write_text(json.dumps(fault))
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(a: argparse.Namespace, loader: ODBDataLoader, tag: str, rank: int, attempt: int) -> None:
     rep = loader.resume_report
     first = 0 if rep is None else rep.epoch + rep.closed
     with open(tag, "a") as log:
@@ -78,8 +89,6 @@ def main() -> None:
                     if rank == 0:
                         open(f"{d}/complete", "w").close()
             log.write(json.dumps({"end": epoch}) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

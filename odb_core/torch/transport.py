@@ -213,6 +213,13 @@ class GlooTransport:
         text = str(exc)
         died = any(m in text.lower() for m in _CLOSED)
         probe = {} if self.board is None else self.board.probe()
+        if died and self.board is not None:
+            # A killed peer's sockets close before /proc shows its process gone (the
+            # kernel closes its files first): look again, briefly, before naming no one.
+            deadline = time.monotonic() + 1.0
+            while probe and "gone" not in probe.values() and time.monotonic() < deadline:
+                time.sleep(0.02)
+                probe = self.board.probe()
         if died:
             ranks = tuple(r for r, st in probe.items() if st == "gone")
         else:
