@@ -14,11 +14,12 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Iterable
+from itertools import compress
 
 from odb_core.errors import ResumeStateError
 
 _BITMAP = "bitmap:"
-_BITS = [tuple(j for j in range(8) if b >> j & 1) for b in range(256)]
+_BIT = [bytes(b >> j & 1 for b in range(256)) for j in range(8)]  # byte -> its bit j
 
 
 def encode(ids: Iterable[int]) -> list[list[int]] | str:
@@ -106,9 +107,10 @@ def _decode_bitmap(v: str, field: str) -> frozenset[int]:
             f"loader state field {field}: its bitmap is empty or ends with a zero byte "
             "(not the canonical form state_dict() writes)"
         )
-    out: list[int] = []
-    for k, byte in enumerate(bits):
-        if byte:
-            base = k << 3
-            out.extend(base + j for j in _BITS[byte])
+    # Bit j of every byte as one byte each (bytes.translate), then the ids where it
+    # is set (itertools.compress): eight passes in C instead of a loop per byte.
+    n = len(bits) << 3
+    out: set[int] = set()
+    for j in range(8):
+        out.update(compress(range(j, n, 8), bits.translate(_BIT[j])))
     return frozenset(out)

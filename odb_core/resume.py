@@ -36,6 +36,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain, filterfalse
 from typing import Any
 
 from odb_core.errors import ConfigError, ResumeMismatchError, ResumeStateError
@@ -149,8 +150,8 @@ class EpochProgress:
     def shard(self, order: Sequence[int], world: int, rank: int) -> list[int]:
         """This rank's remaining ids of a map-style epoch, in epoch order."""
         excluded = self.excluded(world, rank)
-        rest = [i for i in order if i not in self.base_done] if self.base_done else order
-        return [i for i in partition(rest, world, rank) if i not in excluded]
+        rest = list(filterfalse(self.base_done.__contains__, order)) if self.base_done else order
+        return list(filterfalse(excluded.__contains__, partition(rest, world, rank)))
 
     def to_dict(self) -> dict[str, Any]:
         return seal(
@@ -351,7 +352,7 @@ class EpochProgress:
                     )
         if t.order is not None and self.done and not self.is_global:
             base = self.base_done
-            rest = [i for i in t.order if i not in base] if base else t.order
+            rest = list(filterfalse(base.__contains__, t.order)) if base else t.order
             part = partition(rest, t.world, t.rank)
             carry = without(self.carry, base)
             mine = set(rank_order(carry, part, t.world, t.rank) if any(carry) else part)
@@ -614,7 +615,7 @@ def check_claims(vectors: Sequence[Sequence[int]], rank: int) -> str:
     emitted, merged, base = first.shared[2], first.shared[8], first.shared[10]
     if not merged:
         _check_count(emitted, base, [(r, len(c.done)) for r, c in enumerate(claims)])
-    union = sorted(i for c in claims for i in c.done)
+    union = sorted(chain.from_iterable(c.done for c in claims))  # sorted runs: a merge
     text = ",".join(map(str, [*first.shared, -1, *union]))
     return _hex(hashlib.sha256(text.encode()).digest())
 
