@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 from torchrun_runs import HANG_GUARD_S, check_run, kill, launch, start, steps_logged, wait_for
 
-from odb_core.torch.launch import free_port
+from odb_core.bench.launch import free_port
 
 SAMPLES, EVERY = 160, 4
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from odb_core.torch.launch import free_port
+from odb_core.bench.launch import free_port
 
 WORKER = str(Path(__file__).with_name("torchrun_worker.py"))
 HANG_GUARD_S = 240
