@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 
 from torch.utils.data import DataLoader  # noqa: E402
 
+from odb_core.bench.loader_bench import SyntheticText, pad_collate  # noqa: E402
 from odb_core.cli.bench import bench  # noqa: E402
 from odb_core.torch import ODBDataLoader  # noqa: E402
-from odb_core.torch.benchmark import SyntheticText, pad_collate  # noqa: E402
 from odb_core.torch.wire import pack, unpack  # noqa: E402
 
 N = 3000

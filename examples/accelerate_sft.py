@@ -28,74 +28,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-from collections.abc import Sequence
 
 import torch
 from accelerate import Accelerator
-from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from odb_core import ODBDataLoader
 from odb_core.integrations.accelerate import prepare_odb_loader
 from odb_core.torch import ProgressLR, pop_step_meta, scaled_loss
 
-PAD, BOS, SEP, EOS = 0, 1, 2, 3
-VOCAB = 128
-IGNORE = -100
-
-
-class ChatSFT(Dataset[dict[str, torch.Tensor]]):
-    """`[BOS] prompt [SEP] response [EOS]`, labels masked on the prompt part."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        rng = random.Random(i)
-        prompt_len = min(256, max(2, int(rng.lognormvariate(3.0, 0.8))))
-        response_len = min(192, max(1, int(rng.lognormvariate(2.6, 0.8))))
-        words = VOCAB - 4
-        prompt = [4 + rng.randrange(words) for _ in range(prompt_len)]
-        response = [4 + (prompt[-1] * 3 + 1) % words]
-        for _ in range(response_len - 1):  # learnable: a chain seeded by the prompt
-            response.append(4 + (response[-1] * 5 + 7) % words)
-        ids = torch.tensor([BOS, *prompt, SEP, *response, EOS])
-        labels = ids.clone()
-        labels[: prompt_len + 2] = IGNORE  # no loss on the prompt
-        return {"input_ids": ids, "labels": labels}
-
-
-def pad_collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    pad = torch.nn.utils.rnn.pad_sequence
-    ids = [s["input_ids"] for s in samples]
-    return {
-        "input_ids": pad(ids, batch_first=True, padding_value=PAD),
-        "labels": pad([s["labels"] for s in samples], batch_first=True, padding_value=IGNORE),
-        "attention_mask": pad([torch.ones_like(x) for x in ids], batch_first=True),
-    }
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        use_cache=False,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+from sft_data import MEDIUM, ChatSFT, pad_collate, tiny_llama
 
 
 def parse_args() -> argparse.Namespace:
@@ -115,7 +56,7 @@ def train_epochs(args: argparse.Namespace, accelerator: Accelerator) -> None:
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = ODBDataLoader(  # after Accelerator(): it splits the data over the ranks
-        ChatSFT(args.samples),
+        ChatSFT(args.samples, MEDIUM),
         token_budget=args.token_budget,
         collate_fn=pad_collate,
         cost_model="padded",

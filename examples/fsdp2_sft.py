@@ -25,78 +25,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from odb_core import ODBDataLoader
 from odb_core.torch import causal_lm_loss, pop_step_meta
 
-PAD, BOS, SEP, EOS = 0, 1, 2, 3
-VOCAB = 128
-IGNORE = -100
-
-
-class ChatSFT(Dataset[dict[str, torch.Tensor]]):
-    """`[BOS] prompt [SEP] response [EOS]`, labels masked on the prompt part;
-    long-tailed lengths; with `uneven`, even-numbered samples are 3x longer."""
-
-    def __init__(self, n: int, uneven: bool) -> None:
-        self.n = n
-        self.uneven = uneven
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        rng = random.Random(i)
-        prompt_len = min(128, max(2, int(rng.lognormvariate(2.8, 0.7))))
-        response_len = min(96, max(1, int(rng.lognormvariate(2.4, 0.8))))
-        if self.uneven and i % 2 == 0:
-            prompt_len, response_len = 3 * prompt_len, 3 * response_len
-        words = VOCAB - 4
-        prompt = [4 + rng.randrange(words) for _ in range(prompt_len)]
-        response = [4 + (prompt[-1] * 3 + 1) % words]
-        for _ in range(response_len - 1):  # learnable: a chain seeded by the prompt
-            response.append(4 + (response[-1] * 5 + 7) % words)
-        ids = torch.tensor([BOS, *prompt, SEP, *response, EOS])
-        labels = ids.clone()
-        labels[: prompt_len + 2] = IGNORE  # no loss on the prompt
-        return {"input_ids": ids, "labels": labels}
-
-
-def pad_collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    pad = torch.nn.utils.rnn.pad_sequence
-    ids = [s["input_ids"] for s in samples]
-    return {
-        "input_ids": pad(ids, batch_first=True, padding_value=PAD),
-        "labels": pad([s["labels"] for s in samples], batch_first=True, padding_value=IGNORE),
-        "attention_mask": pad([torch.ones_like(x) for x in ids], batch_first=True),
-    }
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        use_cache=False,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+from sft_data import SHORT, ChatSFT, pad_collate, tiny_llama
 
 
 def parse_args() -> argparse.Namespace:
@@ -117,14 +54,15 @@ def train(args: argparse.Namespace) -> None:
     if device is not None:
         torch.cuda.set_device(device)
 
-    model = tiny_llama().to(device) if device is not None else tiny_llama()
+    model = tiny_llama(2048)
+    model = model.to(device) if device is not None else model
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     loader = ODBDataLoader(  # after init_process_group: it splits the data over the ranks
-        ChatSFT(args.samples, uneven=not args.even),
+        ChatSFT(args.samples, SHORT, uneven=not args.even),
         token_budget=args.token_budget,
         collate_fn=pad_collate,
         cost_model="padded",

@@ -5,8 +5,9 @@
     python examples/lightning_sft.py --epochs 1 --ckpt-every 4 --stop-at 4 --out run
     python examples/lightning_sft.py --epochs 1 --resume run/ckpt/epoch=0-step=4.ckpt
 
-The data and the tiny model are those of `train_sft.py` (chat samples whose
-prompt labels are masked, long-tailed lengths). What is Lightning-specific:
+The data and the tiny model are the SFT examples' shared ones (`sft_data.py`:
+chat samples whose prompt labels are masked, long-tailed lengths). What is
+Lightning-specific:
 
 - `ODBDataModule(dataset, collate_fn=..., token_budget=..., ...)` builds the
   `ODBDataLoader` inside `trainer.fit`, once the process group is up, and takes
@@ -47,7 +48,7 @@ from odb_core.integrations.lightning import (
 from odb_core.torch import ProgressLR, causal_lm_loss, pop_step_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_sft import ChatSFT, pad_collate, tiny_llama
+from sft_data import ChatSFT, pad_collate, tiny_llama
 
 
 class SFT(pl.LightningModule):

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from odb_core import ODBDataLoader, causal_lm_loss, pop_step_meta
+from odb_core import ODBDataLoader, causal_lm_loss, pad_collate, pop_step_meta
 
 VOCAB = 256
 
@@ -53,21 +53,17 @@ class ToyChat(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": input_ids, "labels": labels}
 
 
-def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    pad = nn.utils.rnn.pad_sequence
-    return {
-        "input_ids": pad([s["input_ids"] for s in samples], batch_first=True),
-        "labels": pad([s["labels"] for s in samples], batch_first=True, padding_value=-100),
-    }
-
-
 class TinyLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, 32)
         self.head = nn.Linear(32, VOCAB)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # A bigram model: each position sees only its own token, so padding on the
+        # right changes nothing and the mask `pad_collate` adds is not needed.
         logits: torch.Tensor = self.head(self.emb(input_ids))
         return logits
 
@@ -92,7 +88,7 @@ def train(args: argparse.Namespace) -> None:
     loader = ODBDataLoader(
         ToyChat(args.samples),
         token_budget=args.token_budget,
-        collate_fn=collate,
+        collate_fn=pad_collate,  # right-pads; labels -100 on padding
         grad_accum_steps=args.grad_accum,  # optimizer windows of G aligned steps
         num_workers=args.workers,
         persistent_workers=args.workers > 0,

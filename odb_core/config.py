@@ -6,7 +6,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from odb_core.cost import Budget, CostModel, PackedTokens
+from odb_core.cost import (
+    AttentionAware,
+    Budget,
+    CostKind,
+    CostModel,
+    Multimodal,
+    PackedTokens,
+    PaddedTokens,
+)
 from odb_core.errors import ConfigError
 from odb_core.formers import FormerKind
 
@@ -72,6 +80,22 @@ def coerce_enum(kind: type[E], name: str, value: object) -> E:
     except ValueError:
         allowed = ", ".join(repr(m.value) for m in kind)
         raise ConfigError(f"unknown {name} {value!r}; expected one of {allowed}") from None
+
+
+def make_cost_model(
+    kind: CostKind | str, *, alpha: float = 1.0 / 4096, visual_weight: float = 1.0
+) -> CostModel:
+    """The built-in cost model `kind` (a `CostKind` or its value); `alpha` is
+    `AttentionAware`'s and `visual_weight` `Multimodal`'s, ignored by the others.
+    An unknown name raises ConfigError naming it."""
+    k = coerce_enum(CostKind, "cost model", kind)
+    if k is CostKind.PACKED:
+        return PackedTokens()
+    if k is CostKind.PADDED:
+        return PaddedTokens()
+    if k is CostKind.ATTENTION:
+        return AttentionAware(alpha)
+    return Multimodal(visual_weight)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -228,7 +252,7 @@ DEFAULT_BUFFER_SIZE = 64
 PADDED_BUFFER_SIZE = 1024
 
 
-def default_buffer_size(cost_model: CostModel | str) -> int:
+def default_buffer_size(cost_model: CostModel | CostKind | str) -> int:
     """The window K a rank fills before forming, when none is given: 1,024 samples
     under the padded cost model, 64 otherwise. A padded batch costs n x its
     longest sample, so its padding falls only when a window holds many samples of
@@ -237,5 +261,8 @@ def default_buffer_size(cost_model: CostModel | str) -> int:
     3.3% at 1,024, odb/gmt 0.90x -> 0.97x); a packed batch pays no padding, and a
     larger window only holds more samples. The price is host memory for K
     preprocessed samples per rank and a longer first fill (docs/SIMULATOR.md)."""
-    name = cost_model if isinstance(cost_model, str) else cost_model.name
-    return PADDED_BUFFER_SIZE if name == "padded" else DEFAULT_BUFFER_SIZE
+    if isinstance(cost_model, CostKind):
+        name = cost_model.value
+    else:
+        name = cost_model if isinstance(cost_model, str) else cost_model.name
+    return PADDED_BUFFER_SIZE if name == CostKind.PADDED.value else DEFAULT_BUFFER_SIZE

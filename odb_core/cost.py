@@ -7,6 +7,7 @@ per sample when they try an item against an open batch.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,6 +53,20 @@ class BatchStats(NamedTuple):
         return stats
 
 
+class CostKind(enum.Enum):
+    """The built-in cost models by name (`ODBDataLoader(cost_model=...)`, a trace's
+    protocol); `odb_core.config.make_cost_model` builds one."""
+
+    PACKED = "packed"
+    """`PackedTokens`: Σ len."""
+    PADDED = "padded"
+    """`PaddedTokens`: n x max_len."""
+    ATTENTION = "attention"
+    """`AttentionAware`: Σ len + α·Σ len²."""
+    MULTIMODAL = "multimodal"
+    """`Multimodal`: Σ text + w·Σ visual."""
+
+
 class CostModel(Protocol):
     """A pure function from batch statistics to cost, in budget units."""
 
@@ -67,7 +82,7 @@ class PaddedTokens:
 
     @property
     def name(self) -> str:
-        return "padded"
+        return CostKind.PADDED.value
 
     def cost(self, stats: BatchStats) -> float:
         return stats.n * stats.max_len
@@ -79,7 +94,7 @@ class PackedTokens:
 
     @property
     def name(self) -> str:
-        return "packed"
+        return CostKind.PACKED.value
 
     def cost(self, stats: BatchStats) -> float:
         return stats.sum_len
@@ -99,7 +114,7 @@ class AttentionAware:
 
     @property
     def name(self) -> str:
-        return "attention"
+        return CostKind.ATTENTION.value
 
     def cost(self, stats: BatchStats) -> float:
         return stats.sum_len + self.alpha * stats.sum_sq
@@ -118,7 +133,7 @@ class Multimodal:
 
     @property
     def name(self) -> str:
-        return "multimodal"
+        return CostKind.MULTIMODAL.value
 
     def cost(self, stats: BatchStats) -> float:
         return stats.sum_text + self.visual_weight * stats.sum_visual

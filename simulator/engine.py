@@ -21,8 +21,15 @@ from typing import Any
 import numpy as np
 
 from odb_core.assign import dynamic_bounds
-from odb_core.config import Mode, OversizePolicy, ProtocolConfig, Sharding, coerce_enum
-from odb_core.cost import AttentionAware, BatchStats, Budget, CostModel, PackedTokens, PaddedTokens
+from odb_core.config import (
+    Mode,
+    OversizePolicy,
+    ProtocolConfig,
+    Sharding,
+    coerce_enum,
+    make_cost_model,
+)
+from odb_core.cost import BatchStats, Budget, CostKind, CostModel
 from odb_core.errors import ConfigError, ODBPeerError
 from odb_core.formers import FormerKind
 from odb_core.protocol import (
@@ -53,7 +60,8 @@ STRATEGIES: dict[str, str] = {
     "odb-ref": "PyPI online-dynamic-batching grouping on the same stream (if installed)",
 }
 DEFAULT_STRATEGIES = tuple(STRATEGIES)
-COSTS = ("packed", "padded", "attention")
+#: The cost models the simulator times (its collation knows padded and packed rows).
+COSTS = (CostKind.PACKED, CostKind.PADDED, CostKind.ATTENTION)
 # Fixed-size batches are padded whatever the cost model (a DataLoader's default collation).
 _FIXED_BATCH = frozenset({"standard", "grouped", "grouped-modality"})
 
@@ -119,7 +127,7 @@ class SimConfig:
     seed: int = 0
     budget: int | None = None
     batch_size: int | None = None
-    cost: str = "packed"
+    cost: CostKind = CostKind.PACKED  # or its value, e.g. "padded"
     attention_alpha: float = 1.0 / 4096
     buffer_size: int = 64
     former: FormerKind = FormerKind.SORT_WINDOW_GREEDY
@@ -154,10 +162,13 @@ class SimConfig:
             )
         if not self.strategies:
             raise ConfigError("no strategy selected")
-        if self.cost not in COSTS:
+        cost = coerce_enum(CostKind, "cost model", self.cost)
+        if cost not in COSTS:
             raise ConfigError(
-                f"unknown cost model {self.cost!r}; expected one of {', '.join(COSTS)}"
+                f"cost model {cost.value!r} is not simulated; expected one of "
+                + ", ".join(repr(c.value) for c in COSTS)
             )
+        object.__setattr__(self, "cost", cost)
         object.__setattr__(self, "former", coerce_enum(FormerKind, "former", self.former))
         object.__setattr__(self, "sharding", coerce_enum(Sharding, "sharding", self.sharding))
         if not isinstance(self.oversize, OversizePolicy):
@@ -199,15 +210,11 @@ class SimConfig:
         return max(1, self.hardware.token_capacity // int(self.workload.length.max()))
 
     def cost_model(self) -> CostModel:
-        if self.cost == "padded":
-            return PaddedTokens()
-        if self.cost == "attention":
-            return AttentionAware(self.attention_alpha)
-        return PackedTokens()
+        return make_cost_model(self.cost, alpha=self.attention_alpha)
 
     @property
     def padded_collation(self) -> bool:
-        return self.cost == "padded"
+        return self.cost is CostKind.PADDED
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -218,7 +225,7 @@ class SimConfig:
             "seed": self.seed,
             "budget_tokens": self.token_budget,
             "standard_batch_size": self.standard_batch_size,
-            "cost_model": self.cost,
+            "cost_model": self.cost.value,
             "buffer_size": self.buffer_size,
             "former": self.former.value,
             "sharding": self.sharding.value,

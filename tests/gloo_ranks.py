@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources
+from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources
 
 
 def set_rank_env(rank: int, world: int, port: int, **extra: str) -> None:

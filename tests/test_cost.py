@@ -6,7 +6,16 @@ import math
 
 import pytest
 
-from odb_core.cost import AttentionAware, BatchStats, Budget, Multimodal, PackedTokens, PaddedTokens
+from odb_core.config import make_cost_model
+from odb_core.cost import (
+    AttentionAware,
+    BatchStats,
+    Budget,
+    CostKind,
+    Multimodal,
+    PackedTokens,
+    PaddedTokens,
+)
 from odb_core.errors import ConfigError
 from odb_core.sample import Sample
 
@@ -94,3 +103,17 @@ def test_default_window_is_larger_under_padded_cost() -> None:
     assert default_buffer_size(PaddedTokens()) == default_buffer_size("padded") == 1024
     for other in (PackedTokens(), AttentionAware(), Multimodal(), "packed", "attention"):
         assert default_buffer_size(other) == 64
+
+
+@pytest.mark.parametrize("kind", list(CostKind))
+def test_make_cost_model_builds_each_kind_by_member_or_value(kind: CostKind) -> None:
+    by_member, by_value = make_cost_model(kind), make_cost_model(kind.value)
+    assert by_member == by_value
+    assert by_member.name == kind.value
+
+
+def test_make_cost_model_passes_parameters_and_names_an_unknown_kind() -> None:
+    assert make_cost_model(CostKind.ATTENTION, alpha=0.5) == AttentionAware(0.5)
+    assert make_cost_model("multimodal", visual_weight=2.0) == Multimodal(2.0)
+    with pytest.raises(ConfigError, match="unknown cost model 'pad'; expected one of 'packed'"):
+        make_cost_model("pad")

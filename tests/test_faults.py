@@ -26,7 +26,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
-from odb_core.torch.launch import free_port, init_local_gloo  # noqa: E402
+from odb_core.bench.launch import free_port, init_local_gloo  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(240)]
 

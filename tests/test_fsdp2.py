@@ -46,7 +46,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from sft_support import COLLATES, ChatSFT, Reference, rel_l2, tiny_llama  # noqa: E402
 
-from odb_core.torch.launch import free_port, release_child_resources  # noqa: E402
+from odb_core.bench.launch import free_port, release_child_resources  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
 

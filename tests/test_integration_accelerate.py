@@ -55,8 +55,8 @@ from sft_support import (  # noqa: E402
     tiny_llama,
 )
 
+from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.errors import ConfigError  # noqa: E402
-from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
 

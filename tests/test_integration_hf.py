@@ -57,11 +57,11 @@ from gloo_ranks import ok, set_rank_env  # noqa: E402
 from sft_support import ChatSFT, Reference, flat_grad, pad_collate, rel_l2, tiny_llama  # noqa: E402
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
+from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.errors import ConfigError  # noqa: E402
 from odb_core.integrations import hf  # noqa: E402
 from odb_core.integrations.hf import ODBArguments, ODBTrainer  # noqa: E402
 from odb_core.torch import ProgressLR  # noqa: E402
-from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
 

@@ -62,6 +62,7 @@ from sft_support import (  # noqa: E402
 )
 from torch.utils.data import DataLoader  # noqa: E402
 
+from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.errors import ConfigError  # noqa: E402
 from odb_core.idset import decode  # noqa: E402
 from odb_core.integrations import lightning as odb_pl  # noqa: E402
@@ -73,7 +74,6 @@ from odb_core.integrations.lightning import (  # noqa: E402
 )
 from odb_core.schedule import Schedule  # noqa: E402
 from odb_core.torch import ProgressLR, causal_lm_loss, pop_step_meta, scaled_loss  # noqa: E402
-from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
 

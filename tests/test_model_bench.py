@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from odb_core.torch import model_bench
+from odb_core.bench import model_bench
 
 ODB = [sys.executable, "-c", "import sys; from odb_core.cli import main; sys.exit(main())"]
 TINY = [

@@ -22,9 +22,9 @@ from gloo_ranks import launch, ok, set_rank_env  # noqa: E402
 from sft_support import VOCAB, ChatSFT, pad_collate  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
+from odb_core.bench.launch import free_port  # noqa: E402
 from odb_core.schedule import Schedule, TokenScaling  # noqa: E402
 from odb_core.torch import ProgressLR, pop_step_meta, scaled_loss  # noqa: E402
-from odb_core.torch.launch import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
 

@@ -61,8 +61,8 @@ from sft_support import (  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
+from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.torch import causal_lm_loss, pop_step_meta, scaled_loss  # noqa: E402
-from odb_core.torch.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
 

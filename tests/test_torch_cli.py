@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from odb_core.torch.launch import free_port
+from odb_core.bench.launch import free_port
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(240)]
 

@@ -21,7 +21,7 @@ from torchrun_runs import (
     wait_for,
 )
 
-from odb_core.torch.launch import free_port
+from odb_core.bench.launch import free_port
 
 SAMPLES, EVERY = 160, 4
 

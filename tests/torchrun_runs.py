@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from odb_core.torch.launch import free_port
+from odb_core.bench.launch import free_port
 
 WORKER = str(Path(__file__).with_name("torchrun_worker.py"))
 HANG_GUARD_S = 240

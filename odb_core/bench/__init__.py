@@ -1,3 +1,5 @@
-"""Bench harness pieces for `odb bench --model` (not part of the runtime): the
-HF `group_by_length` baseline (`grouped`), and the time-to-quality arithmetic
-(`quality`)."""
+"""Bench harnesses (not part of the runtime; nothing in `odb_core.torch` or
+`odb_core.integrations` imports them): `odb bench`'s rank side (`loader_bench`),
+`odb bench --model` (`model_bench`, built from `workload`, `gmt`, `grouped`,
+`recipes`, `quality` and their output modules), and `launch`, the local gloo
+rank helpers of the bench and the tests."""

@@ -139,8 +139,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run_model(args: argparse.Namespace) -> int:
-    from odb_core.bench import model_output
-    from odb_core.torch import model_bench
+    from odb_core.bench import model_bench, model_output
 
     if args.workers < 0:
         raise ValueError(f"--workers={args.workers!r} must be >= 0")
@@ -232,7 +231,7 @@ def bench(
     }
     with tempfile.TemporaryDirectory(prefix="odb-bench-") as tmp:
         out = Path(tmp) / "result.json"
-        from odb_core.torch.launch import free_port
+        from odb_core.bench.launch import free_port
 
         port = free_port()
         ctx = mp.get_context("spawn")
@@ -312,12 +311,12 @@ def demo_section() -> bool:
 def _rank_main(rank: int, world: int, port: int, params: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
-    from odb_core.torch import benchmark
-    from odb_core.torch.launch import init_local_gloo, release_child_resources
+    from odb_core.bench import loader_bench
+    from odb_core.bench.launch import init_local_gloo, release_child_resources
 
     init_local_gloo(rank, world, port, timeout_s=120)
     try:
-        result = benchmark.run_rank(rank, world, params)
+        result = loader_bench.run_rank(rank, world, params)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:

@@ -57,8 +57,9 @@ from odb_core.config import (
     ProtocolConfig,
     Sharding,
     default_buffer_size,
+    make_cost_model,
 )
-from odb_core.cost import Budget, CostModel
+from odb_core.cost import Budget, CostKind, CostModel
 from odb_core.errors import ConfigError, EpochFinishedError, ODBError, ResumeStateError
 from odb_core.estimate import StepsEstimate
 from odb_core.formers import FormerKind
@@ -103,7 +104,7 @@ from odb_core.torch.transport import (
     announce_construction_error,
     next_loader_seq,
 )
-from odb_core.verify.trace import TracingRankMachine, cost_model_from_dict
+from odb_core.trace import TracingRankMachine
 
 __all__ = ["ODBDataLoader"]
 
@@ -141,7 +142,8 @@ class ODBDataLoader:
     batch on one rank, and a rank with nothing left yields pad batches
     (`step_info.is_pad`, loss scale 0).
 
-    Arguments beyond DataLoader's: `token_budget` (per batch, under `cost_model`),
+    Arguments beyond DataLoader's: `token_budget` (per batch, under `cost_model`: a
+    `CostModel`, or a `CostKind` or its value, e.g. 'packed' or 'padded'),
     `cost_fn(sample) -> tokens | (tokens, visual_tokens[, patches])` (default:
     `len(sample["input_ids"])` plus `sample["visual_tokens"]` if present),
     `mode` ('join' | 'quota'), `quota`, `seed` (per-epoch shuffle, same on every
@@ -178,7 +180,7 @@ class ODBDataLoader:
         token_budget: float,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         cost_fn: CostFn | None = None,
-        cost_model: CostModel | str = "packed",
+        cost_model: CostModel | CostKind | str = CostKind.PACKED,
         mode: Mode | str = Mode.JOIN,
         quota: int | None = None,
         seed: int = 0,
@@ -290,8 +292,8 @@ class ODBDataLoader:
         self.transport: Transport = self._make_transport(peer_timeout)
         self.rank = self.transport.rank
         self.world_size = self.transport.world_size
-        if isinstance(cost_model, str):
-            cost_model = cost_model_from_dict({"name": cost_model})
+        if isinstance(cost_model, (str, CostKind)):
+            cost_model = make_cost_model(cost_model)
         self.config = ProtocolConfig(
             world_size=self.world_size,
             budget=Budget(token_budget, max_samples, max_patches),

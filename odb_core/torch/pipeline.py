@@ -70,7 +70,7 @@ from odb_core.torch.meta import StepMeta, attach_context, with_meta
 from odb_core.torch.source import LoadFailure, Record, SampleLoadError
 from odb_core.torch.transport import Gathering, Transport
 from odb_core.torch.wire import Packed, unpack
-from odb_core.verify.trace import ProtocolTrace, TracingRankMachine
+from odb_core.trace import ProtocolTrace, TracingRankMachine
 from odb_core.window import WindowBuffer
 
 ROUNDS_AHEAD = 2

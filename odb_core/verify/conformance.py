@@ -25,10 +25,10 @@ import networkx as nx
 
 from odb_core.protocol import Contribution
 from odb_core.sample import Sample
+from odb_core.trace import ProtocolTrace, TracingRankMachine
 from odb_core.verify.checker import check
 from odb_core.verify.model import GlobalState, ModelConfig
 from odb_core.verify.tlc import FrozenMap, ModelValue, action_name, parse_state
-from odb_core.verify.trace import ProtocolTrace, TracingRankMachine
 
 #: The spec's variables, in the order of a canonical state.
 VARIABLES = (

@@ -1,7 +1,8 @@
-"""Recorded protocol traces of real runs, and their validation against the model.
+"""Validating recorded protocol traces of real runs against the model.
 
-A `TracingRankMachine` logs every protocol event of one rank together with what
-the rank decided (its all-gather vector, the ids of each emitted step). A trace
+Recording is the runtime's (`odb_core.trace`: a `TracingRankMachine` logs every
+protocol event of one rank together with what the rank decided, its all-gather
+vector and the ids of each emitted step; re-exported here). A trace
 is the per-rank logs plus the protocol config: the vectors carry each offered
 batch's samples, cost tokens and loss tokens, and each Receive the optimizer
 window boundaries (`sync`). `validate_trace` linearises the
@@ -14,209 +15,42 @@ validation). The same linearised action sequence can be handed to TLC.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from odb_core.config import Mode, ProtocolConfig
-from odb_core.cost import AttentionAware, Budget, CostModel, Multimodal, PackedTokens, PaddedTokens
+from odb_core.config import Mode
 from odb_core.errors import ConfigError
-from odb_core.protocol import Contribution, RankMachine, RoundResult, StepInfo
+from odb_core.protocol import StepInfo
 from odb_core.sample import Sample
+from odb_core.trace import (
+    TRACE_VERSION,
+    ProtocolTrace,
+    RankTrace,
+    TracingRankMachine,
+    cost_model_from_dict,
+    cost_model_to_dict,
+    protocol_from_dict,
+    protocol_to_dict,
+)
 from odb_core.verify.invariants import INVARIANTS
 from odb_core.verify.model import Action, GlobalModel, GlobalState, ModelConfig
 from odb_core.window import WindowBuffer
 
-#: 2: the all-gather vector carries loss tokens (2 + 3M integers), Receives `sync`.
-#: 3: each rank's epoch plan, each Receive's per-step global counts (`global`), and
-#: the loss scale of every step the training loop received (`scales`).
-TRACE_VERSION = 3
-
-
-def cost_model_to_dict(model: CostModel) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": model.name}
-    if isinstance(model, AttentionAware):
-        out["alpha"] = model.alpha
-    if isinstance(model, Multimodal):
-        out["visual_weight"] = model.visual_weight
-    return out
-
-
-def cost_model_from_dict(d: dict[str, Any]) -> CostModel:
-    name = d.get("name")
-    if name == "packed":
-        return PackedTokens()
-    if name == "padded":
-        return PaddedTokens()
-    if name == "attention":
-        return AttentionAware(float(d.get("alpha", 1.0 / 4096)))
-    if name == "multimodal":
-        return Multimodal(float(d.get("visual_weight", 1.0)))
-    raise ConfigError(f"unknown cost model {name!r} in trace")
-
-
-def protocol_to_dict(cfg: ProtocolConfig) -> dict[str, Any]:
-    out = cfg.describe()
-    out["cost_model"] = cost_model_to_dict(cfg.cost_model)
-    if cfg.carried:
-        out["carried"] = sorted(cfg.carried)
-    return out
-
-
-def protocol_from_dict(d: dict[str, Any]) -> ProtocolConfig:
-    return ProtocolConfig(
-        world_size=int(d["world_size"]),
-        budget=Budget(d["budget_tokens"], d.get("max_samples"), d.get("max_patches")),
-        cost_model=cost_model_from_dict(d["cost_model"]),
-        buffer_size=int(d["buffer_size"]),
-        mode=d["mode"],
-        former=d["former"],
-        oversize=d["oversize"],
-        max_steps_per_round=int(d["max_steps_per_round"]),
-        quota=d.get("quota"),
-        deterministic=bool(d.get("deterministic", False)),
-        loss_normalization=d.get("loss_normalization", "tokens"),
-        grad_accum_steps=d.get("grad_accum_steps"),
-        tokens_per_update=d.get("tokens_per_update"),
-        carried=frozenset(int(i) for i in d.get("carried", ())),
-    )
-
-
-@dataclass
-class RankTrace:
-    """The events of one rank, in its own order. Each event is a plain dict:
-    {"action": "Observe", "sample": [id, tokens, visual_tokens, patches, loss_tokens]},
-    {"action": "Exhaust"}, {"action": "Form"},
-    {"action": "Contribute", "vector": [...]} (`Contribution.to_vector`: offered,
-    final, then samples, cost tokens and loss tokens of each offered batch),
-    {"action": "Receive", "steps": [[ids...] | null (pad), ...],
-     "sync": [bool, ...] (an optimizer window closed at the step),
-     "global": [[samples, cost tokens, loss tokens], ...] (each step's global counts),
-     "done": bool}.
-    `plan`: the ids this rank must see this epoch (its shard, resume exclusions
-    removed), or None when the driver does not know it (a stream): every planned
-    id must be observed, except those a quota close carries unread. `scales`: the
-    loss scale of each step the training loop received, in step order, or None
-    when the driver does not record them.
-    A 4-field sample (no loss_tokens: every text token counts) and a Receive
-    without `sync` or `global` (not checked) are accepted."""
-
-    rank: int
-    events: list[dict[str, Any]] = field(default_factory=list)
-    plan: list[int] | None = None
-    scales: list[float] | None = None
-
-
-class TracingRankMachine(RankMachine):
-    """A RankMachine that records its events; behaviour is unchanged."""
-
-    def __init__(
-        self, rank: int, config: ProtocolConfig, plan: Iterable[int] | None = None
-    ) -> None:
-        super().__init__(rank, config)
-        self.trace = RankTrace(rank, plan=None if plan is None else [int(i) for i in plan])
-
-    def received(self, steps: Iterable[StepInfo]) -> None:
-        """Record the final steps handed to the training loop (their loss scales)."""
-        if self.trace.scales is None:
-            self.trace.scales = []
-        self.trace.scales.extend(float(s.loss_scale) for s in steps)
-
-    def observe(self, sample: Sample) -> None:
-        super().observe(sample)
-        self.trace.events.append({"action": "Observe", "sample": list(sample)})
-
-    def exhaust(self) -> None:
-        super().exhaust()
-        self.trace.events.append({"action": "Exhaust"})
-
-    def form(self) -> list[Any]:
-        batches = super().form()
-        self.trace.events.append({"action": "Form"})
-        return batches
-
-    def contribute(self) -> Contribution:
-        c = super().contribute()
-        vector = c.to_vector(self.config.max_steps_per_round)
-        self.trace.events.append({"action": "Contribute", "vector": vector})
-        return c
-
-    def all_gather(self, contributions: Sequence[Contribution]) -> RoundResult:
-        result = super().all_gather(contributions)
-        self.trace.events.append(
-            {
-                "action": "Receive",
-                "steps": [None if s.is_pad else list(s.sample_ids) for s in result.steps],
-                "sync": [s.sync_gradients for s in result.steps],
-                "global": [
-                    [s.global_samples, s.global_tokens, s.global_loss_tokens] for s in result.steps
-                ],
-                "done": result.done,
-            }
-        )
-        return result
-
-
-@dataclass
-class ProtocolTrace:
-    protocol: dict[str, Any]
-    ranks: list[RankTrace]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "version": TRACE_VERSION,
-            "protocol": self.protocol,
-            "ranks": [
-                {"rank": r.rank, "events": r.events, "plan": r.plan, "scales": r.scales}
-                for r in self.ranks
-            ],
-        }
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> ProtocolTrace:
-        if d.get("version") != TRACE_VERSION:
-            raise ConfigError(
-                f"trace version {d.get('version')!r}, expected {TRACE_VERSION}: version 2 "
-                "traces carry no epoch plan, per-step global counts or loss scales, and "
-                "version 1 traces no loss tokens in the all-gather vector; record the run "
-                "again with this odb-core"
-            )
-        ranks = [
-            RankTrace(
-                int(r["rank"]),
-                list(r["events"]),
-                None if r.get("plan") is None else [int(i) for i in r["plan"]],
-                None if r.get("scales") is None else [float(x) for x in r["scales"]],
-            )
-            for r in d["ranks"]
-        ]
-        return ProtocolTrace(dict(d["protocol"]), sorted(ranks, key=lambda r: r.rank))
-
-    @staticmethod
-    def from_machines(machines: Iterable[TracingRankMachine]) -> ProtocolTrace:
-        ms = sorted(machines, key=lambda m: m.rank)
-        if not ms:
-            raise ConfigError("a trace needs at least one rank")
-        return ProtocolTrace(protocol_to_dict(ms[0].config), [m.trace for m in ms])
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json()))
-
-    @staticmethod
-    def load(path: str | Path) -> ProtocolTrace:
-        return ProtocolTrace.from_json(json.loads(Path(path).read_text()))
-
-    @staticmethod
-    def merge(paths: Iterable[str | Path]) -> ProtocolTrace:
-        """Merge per-rank trace files (each holding one or more ranks) of one run."""
-        parts = [ProtocolTrace.load(p) for p in paths]
-        if not parts:
-            raise ConfigError("no trace files to merge")
-        if any(p.protocol != parts[0].protocol for p in parts):
-            raise ConfigError("trace files come from runs with different protocol configs")
-        return ProtocolTrace(parts[0].protocol, [r for p in parts for r in p.ranks])
+__all__ = [
+    "TRACE_VERSION",
+    "ProtocolTrace",
+    "RankTrace",
+    "TraceReport",
+    "TracingRankMachine",
+    "cost_model_from_dict",
+    "cost_model_to_dict",
+    "plan_gaps",
+    "protocol_from_dict",
+    "protocol_to_dict",
+    "scale_mismatch",
+    "trace_model",
+    "validate_trace",
+]
 
 
 @dataclass

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from odb_core.config import Mode, OversizePolicy, ProtocolConfig
-from odb_core.cost import Budget, PackedTokens, PaddedTokens
+from odb_core.config import Mode, OversizePolicy, ProtocolConfig, make_cost_model
+from odb_core.cost import Budget
 from odb_core.errors import ConfigError
 from odb_core.protocol import RankMachine
 from odb_core.verify.model import ModelConfig, round_robin_shards
@@ -88,7 +88,7 @@ class ManifestModel:
     def model_config(self, machine: type[RankMachine] = RankMachine) -> ModelConfig:
         if not self.generated:
             raise ConfigError(f"{self.name} is a hand-written model, not a ModelConfig")
-        cost = PaddedTokens() if self.cost_model == "padded" else PackedTokens()
+        cost = make_cost_model(self.cost_model)
         protocol = ProtocolConfig(
             world_size=self.world_size,
             budget=Budget(self.budget, self.max_samples, self.max_patches),

@@ -141,7 +141,7 @@ def run_bench(params: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     """Validate, start W rank processes, return rank 0's report (raises on failure)."""
     import torch.multiprocessing as mp
 
-    from odb_core.torch.launch import free_port
+    from odb_core.bench.launch import free_port
 
     strategies = validate(params)
     params = {**params, "strategies": strategies}
@@ -189,7 +189,7 @@ def _rank_main(
 ) -> None:
     import torch.distributed as dist
 
-    from odb_core.torch.launch import init_local_gloo, release_child_resources
+    from odb_core.bench.launch import init_local_gloo, release_child_resources
 
     init_local_gloo(rank, world, port, timeout_s=300)
     try:
