@@ -7,7 +7,7 @@
 A tiny random-init `LlamaForCausalLM` learns chat samples whose prompts are
 masked (-100). What changes from a `Trainer` run with a batch size:
 
-- `ODBTrainer` instead of `Trainer`, and `odb=ODBArguments(token_budget=...)`:
+- `ODBHFTrainer` instead of `Trainer`, and `odb=ODBArguments(token_budget=...)`:
   batches are sized by their padded token cost, formed after preprocessing; no
   `per_device_train_batch_size`, no sampler;
 - nothing else: `num_train_epochs` runs whole epochs (each sample once per
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
-from odb_core.integrations.hf import ODBArguments, ODBTrainer
+from odb_core.integrations.hf import ODBArguments, ODBHFTrainer
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 VOCAB = 128
@@ -155,7 +155,7 @@ def train(args: argparse.Namespace) -> None:
         seed=0,
     )
     report = EpochReport()
-    trainer = ODBTrainer(
+    trainer = ODBHFTrainer(
         model=tiny_llama(),
         args=training,
         train_dataset=ChatSFT(args.samples),

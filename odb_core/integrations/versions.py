@@ -35,3 +35,45 @@ def in_range(version: str, spec: str) -> bool:
         return Version(version) in SpecifierSet(spec)
     except InvalidVersion:
         return False
+
+
+def warn_once(warned: set[str], key: str, message: str, stacklevel: int = 4) -> None:
+    """`warnings.warn(message)` the first time `key` is seen in `warned`."""
+    import warnings
+
+    if key not in warned:
+        warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
+
+
+def check_version(
+    package: str,
+    version: str,
+    *,
+    extra: str,
+    fallback: str,
+    missing: list[str],
+    relies: str,
+    warned: set[str],
+) -> bool:
+    """An adapter's version gate: raise `ConfigError` when the trainer library lacks a
+    member the adapter relies on (`missing`), warn once when `version` is outside the
+    supported range (the `extra`'s, else `fallback`); True when inside it."""
+    from odb_core.errors import ConfigError
+
+    spec = extra_range(package, extra, fallback)
+    fix = f"`pip install 'odb-core[{extra}]'` ({package}{spec})"
+    if missing:
+        raise ConfigError(
+            f"{package} {version} has no {', '.join(missing)}, which the odb-core {extra} "
+            f"adapter relies on (its PRIVATE_MEMBERS); install a supported version: {fix}"
+        )
+    ok = in_range(version, spec)
+    if not ok:
+        warn_once(
+            warned,
+            f"version:{version}",
+            f"{package} {version} is outside the range the odb-core {extra} adapter is "
+            f"tested with ({spec}); it relies on {relies}: install a supported one, {fix}",
+        )
+    return ok
