@@ -55,7 +55,6 @@ What Accelerate 1.16 does, and what the adapter does about it:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,7 +66,7 @@ from accelerate.state import GradientState  # type: ignore[import-untyped]
 from accelerate.utils import DistributedType, send_to_device  # type: ignore[import-untyped]
 
 from odb_core.errors import ConfigError
-from odb_core.integrations.versions import extra_range, in_range
+from odb_core.integrations.versions import check_version, warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
 from odb_core.torch.checkpoint import gather_states, load_states
@@ -99,45 +98,27 @@ _warned: set[str] = set()
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _supported_range() -> str:
-    return extra_range("accelerate", "accelerate", SUPPORTED_ACCELERATE)
+    warn_once(_warned, key, message)
 
 
 def check_accelerate_version(version: str | None = None) -> bool:
-    """Warn once when `accelerate.__version__` is outside the supported range."""
-    version = accelerate.__version__ if version is None else version
-    spec = _supported_range()
-    ok = in_range(version, spec)
-    missing = [
-        name
-        for name, owner, attr in (
-            ("DataLoaderStateMixin.begin", DataLoaderStateMixin, "begin"),
-            ("DataLoaderStateMixin.end", DataLoaderStateMixin, "end"),
-            ("GradientState.end_of_dataloader", GradientState, "end_of_dataloader"),
-            ("Accelerator.sync_gradients", Accelerator, "sync_gradients"),
-        )
-        if not hasattr(owner, attr)
-    ]
-    if missing:
-        raise ConfigError(
-            f"accelerate {version} has no {', '.join(missing)}, which the odb-core Accelerate "
-            f"adapter relies on (PRIVATE_MEMBERS): `pip install 'odb-core[accelerate]'` "
-            f"(accelerate{spec})"
-        )
-    if not ok:
-        _warn_once(
-            f"version:{version}",
-            f"accelerate {version} is outside the range the odb-core Accelerate adapter is "
-            f"tested with ({spec}); it relies on Accelerate's gradient state, no_sync and "
-            f"custom checkpoint objects: install a supported one, "
-            f"`pip install 'odb-core[accelerate]'` (accelerate{spec})",
-        )
-    return ok
+    """Warn once when `accelerate.__version__` is outside the supported range; raise
+    `ConfigError` when a member the adapter relies on is missing."""
+    relied = {
+        "DataLoaderStateMixin.begin": DataLoaderStateMixin,
+        "DataLoaderStateMixin.end": DataLoaderStateMixin,
+        "GradientState.end_of_dataloader": GradientState,
+        "Accelerator.sync_gradients": Accelerator,
+    }
+    return check_version(
+        "accelerate",
+        accelerate.__version__ if version is None else version,
+        extra="accelerate",
+        fallback=SUPPORTED_ACCELERATE,
+        missing=[n for n, c in relied.items() if not hasattr(c, n.split(".")[1])],
+        relies="Accelerate's gradient state, no_sync and custom checkpoint objects",
+        warned=_warned,
+    )
 
 
 def prepare_odb_loader(

@@ -84,7 +84,7 @@ from transformers.trainer_utils import (
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
 from odb_core.integrations.hf_lr import progress_schedule
-from odb_core.integrations.versions import extra_range, in_range
+from odb_core.integrations.versions import check_version, warn_once
 from odb_core.progress import RunProgress
 from odb_core.schedule import TokenScaling
 from odb_core.torch import ODBDataLoader, ProgressLR
@@ -146,16 +146,7 @@ _warned: set[str] = set()
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
-# ---- versions ----------------------------------------------------------------------------
-
-
-def _supported_range() -> str:
-    return extra_range("transformers", "hf", SUPPORTED_TRANSFORMERS)
+    warn_once(_warned, key, message)
 
 
 #: Trainer members that are not public API, what the adapter uses each for, and the
@@ -174,28 +165,19 @@ PRIVATE_MEMBERS = {
 def check_transformers_version(version: str | None = None) -> bool:
     """Warn once when `transformers.__version__` is outside the supported range;
     raise `ConfigError` when the Trainer lacks a member the adapter relies on."""
-    version = transformers.__version__ if version is None else version
-    spec = _supported_range()
-    ok = in_range(version, spec)
-    fix = f"pip install 'odb-core[hf]' (transformers{spec})"
-    missing = [
-        name
-        for name in PRIVATE_MEMBERS
-        if name.startswith("Trainer.") and not hasattr(Trainer, name.split(".", 1)[1])
-    ]
-    if missing:
-        raise ConfigError(
-            f"transformers {version}: no {', '.join(missing)}, which ODBHFTrainer relies on "
-            f"(odb_core.integrations.hf.PRIVATE_MEMBERS); install a supported version: {fix}"
-        )
-    if not ok:
-        _warn_once(
-            f"version:{version}",
-            f"transformers {version} is outside the range the odb-core HF adapter is tested "
-            f"with ({spec}); ODBHFTrainer relies on how Trainer's loop counts gradient "
-            f"accumulation steps and normalises the loss. Install a supported one: {fix}",
-        )
-    return ok
+    return check_version(
+        "transformers",
+        transformers.__version__ if version is None else version,
+        extra="hf",
+        fallback=SUPPORTED_TRANSFORMERS,
+        missing=[
+            n
+            for n in PRIVATE_MEMBERS
+            if n.startswith("Trainer.") and not hasattr(Trainer, n.split(".", 1)[1])
+        ],
+        relies="how Trainer's loop counts gradient accumulation steps and normalises the loss",
+        warned=_warned,
+    )
 
 
 # ---- options -----------------------------------------------------------------------------

@@ -60,7 +60,7 @@ from lightning.pytorch.strategies import Strategy
 from torch.utils.data import DataLoader
 
 from odb_core.errors import ConfigError, ODBError
-from odb_core.integrations.versions import extra_range, in_range
+from odb_core.integrations.versions import check_version, warn_once
 from odb_core.progress import RunProgress
 from odb_core.protocol import StepInfo
 from odb_core.torch import ODBDataLoader, StepMeta, step_meta
@@ -99,35 +99,21 @@ def _datamodule_of(trainer: pl.Trainer) -> Any:
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _supported_range() -> str:
-    return extra_range("lightning", "lightning", SUPPORTED_LIGHTNING)
+    warn_once(_warned, key, message)
 
 
 def check_lightning_version(version: str | None = None) -> bool:
-    """Warn once when `lightning.__version__` is outside the supported range."""
-    version = lightning.__version__ if version is None else version
-    spec = _supported_range()
-    ok = in_range(version, spec)
-    missing = [f"{c.__name__}.{a}" for c, a in _RELIES_ON if not hasattr(c, a)]
-    if missing:
-        raise ConfigError(
-            f"lightning {version} has no {', '.join(missing)}, which the odb-core Lightning "
-            f"adapter relies on: `pip install 'odb-core[lightning]'` (lightning{spec})"
-        )
-    if not ok:
-        _warn_once(
-            f"version:{version}",
-            f"lightning {version} is outside the range the odb-core Lightning adapter is "
-            f"tested with ({spec}); it relies on Lightning's fit loop (prefetch, gradient "
-            f"accumulation, checkpoint hooks): install a supported one, "
-            f"`pip install 'odb-core[lightning]'` (lightning{spec})",
-        )
-    return ok
+    """Warn once when `lightning.__version__` is outside the supported range; raise
+    `ConfigError` when a member the adapter relies on is missing."""
+    return check_version(
+        "lightning",
+        lightning.__version__ if version is None else version,
+        extra="lightning",
+        fallback=SUPPORTED_LIGHTNING,
+        missing=[f"{c.__name__}.{a}" for c, a in _RELIES_ON if not hasattr(c, a)],
+        relies="Lightning's fit loop (prefetch, gradient accumulation, checkpoint hooks)",
+        warned=_warned,
+    )
 
 
 # ---- the DataModule ---------------------------------------------------------------------
