@@ -64,7 +64,6 @@ import json
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -83,8 +82,8 @@ from transformers.trainer_utils import (
 
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
-from odb_core.integrations.hf_lr import progress_schedule
-from odb_core.integrations.versions import check_version, warn_once
+from odb_core.integrations.hf_lr import ClampedLR, progress_schedule
+from odb_core.integrations.versions import check_version, deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.schedule import TokenScaling
 from odb_core.torch import ODBDataLoader, ProgressLR
@@ -275,33 +274,6 @@ class _TrainBatches:
 
 class _WindowFill(dict):  # type: ignore[type-arg]
     """An empty entry before a short window's batches (see the module docstring)."""
-
-
-class ClampedLR:
-    """An LR scheduler that stops advancing after `total` steps: sized from an
-    estimate, it never steps past its end (a cosine would come back up)."""
-
-    def __init__(self, scheduler: Any, total: int) -> None:
-        self.scheduler = scheduler
-        self.total = int(total)
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.scheduler.last_epoch < self.total:
-            self.scheduler.step(*args, **kwargs)
-
-    def get_last_lr(self) -> list[float]:
-        return list(self.scheduler.get_last_lr())
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.scheduler.state_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "scheduler":  # not set yet (unpickling)
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
 
 
 # ---- the trainer -------------------------------------------------------------------------
@@ -850,12 +822,4 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ODBTrainer":
-        warnings.warn(
-            "odb_core.integrations.hf.ODBTrainer is deprecated: use ODBHFTrainer",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return ODBHFTrainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_names(__name__, {"ODBTrainer": ("ODBHFTrainer", ODBHFTrainer)})

@@ -47,7 +47,6 @@ What Lightning does, and what the adapter does about it (Lightning 2.6):
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -60,7 +59,7 @@ from lightning.pytorch.strategies import Strategy
 from torch.utils.data import DataLoader
 
 from odb_core.errors import ConfigError, ODBError
-from odb_core.integrations.versions import check_version, warn_once
+from odb_core.integrations.versions import check_version, deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.protocol import StepInfo
 from odb_core.torch import ODBDataLoader, StepMeta, step_meta
@@ -578,12 +577,6 @@ def lightning_loss(module: pl.LightningModule, loss: torch.Tensor) -> torch.Tens
     return loss
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ODBTrainer":
-        warnings.warn(
-            "odb_core.integrations.lightning.ODBTrainer is deprecated: use ODBLightningTrainer",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return ODBLightningTrainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_names(
+    __name__, {"ODBTrainer": ("ODBLightningTrainer", ODBLightningTrainer)}
+)

@@ -4,6 +4,8 @@ or the adapter's own fallback when odb-core was installed without it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def extra_range(package: str, extra: str, fallback: str) -> str:
     """The version specifier of `package` in odb-core's `extra`, else `fallback`."""
@@ -77,3 +79,20 @@ def check_version(
             f"tested with ({spec}); it relies on {relies}: install a supported one, {fix}",
         )
     return ok
+
+
+def deprecated_names(module: str, names: dict[str, tuple[str, object]]) -> Any:
+    """A module `__getattr__` that serves each old name in `names` (old -> (new name,
+    object)) with a `DeprecationWarning` naming the new one."""
+    import warnings
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            new, obj = names[name]
+            warnings.warn(
+                f"{module}.{name} is deprecated: use {new}", DeprecationWarning, stacklevel=2
+            )
+            return obj
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
