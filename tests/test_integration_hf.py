@@ -735,6 +735,29 @@ def test_checkpoint_without_loader_state_is_rejected(tmp_path: Path) -> None:
         again.train(resume_from_checkpoint=str(ckpt))
 
 
+def test_checkpoint_of_the_old_per_rank_files_still_resumes(tmp_path: Path) -> None:
+    """odb-core before one checkpoint format wrote `odb_loader_rank{r}.json`: read once;
+    a tampered one is refused before anything is applied."""
+    import json
+
+    args = _args(tmp_path, num_train_epochs=2, save_strategy="epoch", disable_tqdm=True)
+    trainer = _trainer(tmp_path, args=args, train_dataset=ChatSFT(12, seed=1))
+    trainer.train()
+    ckpt = min(tmp_path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    entry = json.loads((ckpt / "odb_loader_states.json").read_text())
+    assert entry["format"] == "odb-loader-states" and entry["world_size"] == 1
+    (ckpt / "odb_loader_states.json").unlink()
+    old = ckpt / "odb_loader_rank0.json"
+    old.write_text(json.dumps({**entry["ranks"][0], "step": 0}))  # checksum broken
+    again = _trainer(tmp_path, args=args, train_dataset=ChatSFT(12, seed=1))
+    with pytest.raises(ConfigError, match="checksum"):
+        again.train(resume_from_checkpoint=str(ckpt))
+    old.write_text(json.dumps(entry["ranks"][0]))
+    again = _trainer(tmp_path, args=args, train_dataset=ChatSFT(12, seed=1))
+    again.train(resume_from_checkpoint=str(ckpt))
+    assert again.odb_loader is not None and again.odb_loader.epoch == 1
+
+
 def test_clamped_schedule_never_steps_past_its_end() -> None:
     """A cosine schedule stepped past its end comes back up; clamped, it stays at 0."""
     from transformers import get_cosine_schedule_with_warmup
