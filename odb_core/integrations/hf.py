@@ -781,21 +781,23 @@ class _ODBCallback(TrainerCallback):
             done = infos[-1].step + 1
             fraction = min(done / max(1, t._odb_epoch_steps_estimate), 0.999)
             state.epoch = loader.epoch + fraction
-        for cb in t.callback_handler.callbacks:
-            bar = getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
-            if bar is not None and bar.total is not None and bar.total < state.max_steps:
+        for bar in self._bars():
+            if bar.total is not None and bar.total < state.max_steps:
                 bar.total = state.max_steps
                 bar.refresh()
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if control.should_training_stop:  # the bar ends full, not at the estimate
-            for cb in self.trainer.callback_handler.callbacks:
-                bar = (
-                    getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
-                )
-                if bar is not None:
-                    bar.total = bar.n
-                    bar.refresh()
+            for bar in self._bars():
+                bar.total = bar.n
+                bar.refresh()
+
+    def _bars(self) -> list[Any]:
+        """The training bars of the Trainer's ProgressCallbacks (PRIVATE_MEMBERS)."""
+        callbacks = self.trainer.callback_handler.callbacks
+        bars = [getattr(cb, "training_bar", None) for cb in callbacks]
+        kept = zip(bars, callbacks, strict=True)
+        return [b for b, cb in kept if b is not None and isinstance(cb, ProgressCallback)]
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Every rank (a collective), after the Trainer saved its checkpoint folder.
