@@ -7,7 +7,7 @@
 A tiny random-init `LlamaForCausalLM` learns chat samples whose prompts are
 masked (-100). What changes from a `Trainer` run with a batch size:
 
-- `ODBTrainer` instead of `Trainer`, and `odb=ODBArguments(token_budget=...)`:
+- `ODBHFTrainer` instead of `Trainer`, and `odb=ODBArguments(token_budget=...)`:
   batches are sized by their padded token cost, formed after preprocessing; no
   `per_device_train_batch_size`, no sampler;
 - nothing else: `num_train_epochs` runs whole epochs (each sample once per
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback, TrainingArguments
 
-from odb_core.integrations.hf import ODBArguments, ODBTrainer
+from odb_core.integrations.hf import ODBArguments, ODBHFTrainer
 
 from sft_data import ChatSFT, pad_collate, tiny_llama
 
@@ -96,7 +96,7 @@ def train(args: argparse.Namespace) -> None:
         seed=0,
     )
     report = EpochReport()
-    trainer = ODBTrainer(
+    trainer = ODBHFTrainer(
         model=tiny_llama(),
         args=training,
         train_dataset=ChatSFT(args.samples),

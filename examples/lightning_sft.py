@@ -17,7 +17,7 @@ Lightning-specific:
 - `return lightning_loss(self, loss)`: Lightning divides the returned loss by G,
   the ODB scale already covers the whole window;
 - `ProgressLR(opt, self.trainer.datamodule, epochs=...)`: linear decay on the
-  run's exact progress, ending on the last update; `ODBTrainer` sizes
+  run's exact progress, ending on the last update; `ODBLightningTrainer` sizes
   `estimated_stepping_batches` from the loader's upper estimate (printed) and
   `ODBProgressBar` shows the epoch's estimated steps;
 - checkpoints (`ModelCheckpoint`, `ckpt_path=`) carry every rank's loader state,
@@ -41,8 +41,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from odb_core.integrations.lightning import (
     ODBDataModule,
+    ODBLightningTrainer,
     ODBProgressBar,
-    ODBTrainer,
     lightning_loss,
 )
 from odb_core.torch import ProgressLR, causal_lm_loss, pop_step_meta
@@ -142,7 +142,7 @@ def train(args: argparse.Namespace) -> None:
         )
     if args.stop_at:
         callbacks.append(StopAt(args.stop_at))
-    trainer = ODBTrainer(
+    trainer = ODBLightningTrainer(
         accelerator="cpu",
         devices=2,
         strategy=DDPStrategy(process_group_backend="gloo"),

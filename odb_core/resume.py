@@ -84,9 +84,10 @@ def checksum(state: Mapping[str, Any]) -> str:
 
 
 def seal(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of `state` with its checksum recomputed. Only for code that derives one
-    valid state from another (the Lightning adapter takes one batch back); it makes
-    an edited state pass the checksum, not the consistency checks."""
+    """A copy of `state` with its checksum recomputed. Only for tests that derive one
+    state from another (no adapter edits loader state: a prefetching trainer asks
+    `ODBDataLoader.state_after(step)`); it makes an edited state pass the checksum,
+    not the consistency checks."""
     out = dict(state)
     out["checksum"] = checksum(out)
     return out

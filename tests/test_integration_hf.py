@@ -1,6 +1,6 @@
-"""The HF Trainer adapter (`ODBTrainer`) on real processes, and its bad-input errors.
+"""The HF Trainer adapter (`ODBHFTrainer`) on real processes, and its bad-input errors.
 
-Two gloo ranks on CPU run `ODBTrainer` (transformers' own `Trainer.train`; DDP set
+Two gloo ranks on CPU run `ODBHFTrainer` (transformers' own `Trainer.train`; DDP set
 up by transformers/accelerate from RANK/WORLD_SIZE on an initialised gloo group)
 on a tiny float64 `LlamaForCausalLM` and masked-prompt SFT samples with
 long-tailed lengths (`sft_support.py`). A callback records, at every
@@ -60,7 +60,7 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.errors import ConfigError  # noqa: E402
 from odb_core.integrations import hf  # noqa: E402
-from odb_core.integrations.hf import ODBArguments, ODBTrainer  # noqa: E402
+from odb_core.integrations.hf import ODBArguments, ODBHFTrainer  # noqa: E402
 from odb_core.torch import ProgressLR  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -189,7 +189,7 @@ def make_trainer(name: str, out: Path, **extra: Any) -> tuple[Any, Recorder]:
     model = tiny_llama(seed=0)
     for attr, value in sc.get("model", {}).items():
         setattr(model, attr, value)
-    trainer = ODBTrainer(
+    trainer = ODBHFTrainer(
         model=model,
         args=args,
         train_dataset=ChatSFT(**sc["data"]),
@@ -678,7 +678,7 @@ def _trainer(tmp_path: Path, args: Any = None, **kw: Any) -> Any:
         "odb": {"token_budget": 256},
         **kw,
     }
-    return ODBTrainer(**opts)
+    return ODBHFTrainer(**opts)
 
 
 def test_one_process_trains_whole_epochs_and_evaluates(tmp_path: Path) -> None:
@@ -727,12 +727,35 @@ def test_checkpoint_without_loader_state_is_rejected(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, args=args, train_dataset=ChatSFT(12, seed=1))
     out = trainer.train()
     ckpt = tmp_path / f"checkpoint-{out.global_step}"
-    state = ckpt / "odb_loader_rank0.json"
+    state = ckpt / "odb_loader_states.json"
     assert state.exists() and (ckpt / "odb_trainer.json").exists()
     state.unlink()  # as in a checkpoint a plain Trainer wrote
     again = _trainer(tmp_path, args=args, train_dataset=ChatSFT(12, seed=1))
     with pytest.raises(ConfigError, match="no ODB loader state"):
         again.train(resume_from_checkpoint=str(ckpt))
+
+
+def test_checkpoint_of_the_old_per_rank_files_still_resumes(tmp_path: Path) -> None:
+    """odb-core before one checkpoint format wrote `odb_loader_rank{r}.json`: read once;
+    a tampered one is refused before anything is applied."""
+    import json
+
+    args = _args(tmp_path, num_train_epochs=2, save_strategy="epoch", disable_tqdm=True)
+    trainer = _trainer(tmp_path, args=args, train_dataset=ChatSFT(12, seed=1))
+    trainer.train()
+    ckpt = min(tmp_path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    entry = json.loads((ckpt / "odb_loader_states.json").read_text())
+    assert entry["format"] == "odb-loader-states" and entry["world_size"] == 1
+    (ckpt / "odb_loader_states.json").unlink()
+    old = ckpt / "odb_loader_rank0.json"
+    old.write_text(json.dumps({**entry["ranks"][0], "step": 0}))  # checksum broken
+    again = _trainer(tmp_path, args=args, train_dataset=ChatSFT(12, seed=1))
+    with pytest.raises(ConfigError, match="checksum"):
+        again.train(resume_from_checkpoint=str(ckpt))
+    old.write_text(json.dumps(entry["ranks"][0]))
+    again = _trainer(tmp_path, args=args, train_dataset=ChatSFT(12, seed=1))
+    again.train(resume_from_checkpoint=str(ckpt))
+    assert again.odb_loader is not None and again.odb_loader.epoch == 1
 
 
 def test_clamped_schedule_never_steps_past_its_end() -> None:
@@ -764,7 +787,7 @@ def test_plain_dataloader_is_rejected(tmp_path: Path) -> None:
 
 
 def test_overridden_train_dataloader_is_rejected(tmp_path: Path) -> None:
-    class Plain(ODBTrainer):
+    class Plain(ODBHFTrainer):
         def get_train_dataloader(self) -> Any:
             return torch.utils.data.DataLoader(self.train_dataset, batch_size=2)
 
@@ -775,8 +798,36 @@ def test_overridden_train_dataloader_is_rejected(tmp_path: Path) -> None:
         data_collator=pad_collate,
         odb={"token_budget": 256},
     )
-    with pytest.raises(ConfigError, match=r"must be the one ODBTrainer\.get_train_dataloader"):
+    with pytest.raises(ConfigError, match=r"must be the one its get_train_dataloader"):
         trainer.train()
+
+
+def test_a_plain_trainer_iterating_an_odb_loader_warns_naming_odbhftrainer(
+    tmp_path: Path,
+) -> None:
+    """Upgrade trap: a plain Trainer sizes its loop from len(loader), an estimate (with
+    max_steps=30 it stopped at 24, silently)."""
+    from transformers import Trainer
+
+    from odb_core import ODBDataLoader
+
+    class Plain(Trainer):
+        def get_train_dataloader(self) -> Any:
+            return ODBDataLoader(self.train_dataset, token_budget=256, collate_fn=pad_collate)
+
+    trainer = Plain(
+        model=tiny_llama(seed=0),
+        args=_args(tmp_path, max_steps=2, save_strategy="no"),
+        train_dataset=ChatSFT(8),
+        data_collator=pad_collate,
+    )
+    with pytest.warns(UserWarning, match=r"plain Plain.*max_steps=2.*ODBHFTrainer"):
+        trainer.train()
+
+
+def test_the_old_name_is_a_deprecated_alias() -> None:
+    with pytest.warns(DeprecationWarning, match="use ODBHFTrainer"):
+        assert hf.ODBTrainer is ODBHFTrainer
 
 
 def test_drop_last_is_rejected(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@
 The test launches two processes itself, joins them in a gloo group, and lets
 Lightning attach to it (`LOCAL_RANK` etc. in the environment, so Lightning's
 environment does not spawn; `DDPStrategy(process_group_backend="gloo")` finds the
-group initialised). In each rank, one `ODBTrainer` fit per case:
+group initialised). In each rank, one `ODBLightningTrainer` fit per case:
 
 - `epochs`: 2 epochs, shuffled, padded batches, transformers' loss, accumulation 1;
 - `accum2`: `accumulate_grad_batches=2`, packed rows, unshuffled skewed shards
@@ -68,7 +68,7 @@ from odb_core.idset import decode  # noqa: E402
 from odb_core.integrations import lightning as odb_pl  # noqa: E402
 from odb_core.integrations.lightning import (  # noqa: E402
     ODBDataModule,
-    ODBTrainer,
+    ODBLightningTrainer,
     check_lightning_version,
     lightning_loss,
 )
@@ -274,7 +274,7 @@ class Recorder(Callback):
             self.progress.append(trainer.datamodule.run_progress.fraction(trainer.max_epochs))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
-        # the checkpoint state, checked against a per-step snapshot (_verify_states)
+        # the checkpoint state (the prefetched batch taken back) is always derivable
         trainer.datamodule._local_state()
         self.checked_states += 1
         if self.stop_at is not None and trainer.global_step == self.stop_at:
@@ -287,7 +287,7 @@ class Recorder(Callback):
 def _trainer(
     case: dict[str, Any], root: Path, callbacks: list[Any], world: int = WORLD
 ) -> pl.Trainer:
-    return ODBTrainer(
+    return ODBLightningTrainer(
         accelerator="cpu",
         devices=world,
         num_nodes=1,
@@ -310,9 +310,6 @@ def _datamodule(case: dict[str, Any]) -> ODBDataModule:
         collate_fn=COLLATES[case["collate"]],
         **{**COMMON, **case["loader"]},
     )
-    # Also keep a state snapshot per step and check the checkpoint's state (the
-    # prefetched batch taken back) against it.
-    dm._verify_states = True
     return dm
 
 
@@ -835,3 +832,8 @@ def test_windows_follow_accumulate_grad_batches() -> None:
         ODBDataModule._windows(trainer(1), {"tokens_per_update": 512})
     manual = ODBDataModule._windows(trainer(1, automatic=False), {"tokens_per_update": 512})
     assert manual == {"tokens_per_update": 512}
+
+
+def test_the_old_trainer_name_is_a_deprecated_alias() -> None:
+    with pytest.warns(DeprecationWarning, match="use ODBLightningTrainer"):
+        assert odb_pl.ODBTrainer is ODBLightningTrainer

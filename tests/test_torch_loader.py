@@ -338,12 +338,18 @@ def test_quota_mode_needs_index_ids(kw: dict[str, Any]) -> None:
         loader(ds, mode="quota", quota=5, **kw)
 
 
-def test_scale_loss_applies_the_step_scale_and_pads_to_zero() -> None:
+def test_scale_loss_is_a_deprecated_alias_of_scaled_loss_with_its_pad_rule() -> None:
     info = run(loader(Text(10)))[0]
     loss = torch.tensor(2.0, requires_grad=True)
-    assert scale_loss(loss, info).item() == pytest.approx(2.0 * info.loss_scale)
+    with pytest.warns(DeprecationWarning, match=r"scaled_loss\(info, loss\)"):
+        assert scale_loss(loss, info).item() == pytest.approx(2.0 * info.loss_scale)
+    assert scaled_loss(info, loss).item() == pytest.approx(2.0 * info.loss_scale)
     pad = StepInfo(0, 0, 0, True, None, 0, 5, 0, 50, loss_scale=0.0)
-    scaled = scale_loss(loss, pad)
+    with pytest.warns(DeprecationWarning):
+        nan_scaled = scale_loss(torch.tensor(float("nan"), requires_grad=True), pad)
+    assert nan_scaled.item() == 0.0  # the same pad-step rule as scaled_loss
+    with pytest.warns(DeprecationWarning):
+        scaled = scale_loss(loss, pad)
     scaled.backward()
     assert scaled.item() == 0.0 and loss.grad is not None and loss.grad.item() == 0.0
 

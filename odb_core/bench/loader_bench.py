@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from odb_core.protocol import Contribution
 from odb_core.torch.loader import ODBDataLoader
+from odb_core.torch.meta import scaled_loss
 
 VOCAB = 512
 BATCH = 8
@@ -87,7 +88,7 @@ def _epoch(loader: Any, model: nn.Module, opt: torch.optim.Optimizer, odb: bool)
         loss = model(**batch)
         if odb:
             info = loader.step_info
-            loss = loader.scale_loss(loss)
+            loss = scaled_loss(info, loss)
             samples += info.local_samples
             pads += info.is_pad
             ids.extend(info.sample_ids)

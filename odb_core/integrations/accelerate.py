@@ -38,9 +38,10 @@ What Accelerate 1.16 does, and what the adapter does about it:
   `accelerator.accumulate(model)` would re-decide the windows from its own counter:
   with windows of one step it agrees, otherwise the adapter raises at the next batch.
 - Checkpoints: `accelerator.save_state` calls `state_dict()` on every rank and
-  rank 0 writes it; the adapter's state is every rank's loader state (one
-  `all_gather_object`), so `load_state` resumes mid-epoch exactly once, at the
-  same world size rank by rank, at another one merged. Call
+  rank 0 writes it; the adapter's state is every rank's loader state
+  (`odb_core.torch.checkpoint`, the one format of every adapter), so
+  `load_state` resumes mid-epoch exactly once, at the same world size rank by
+  rank, at another one merged. Call
   `prepare_odb_loader` in the same order in the run that loads (Accelerate
   numbers registered objects), and do not call `accelerator.skip_first_batches`:
   the loader resumes after the last batch it yielded before the save.
@@ -54,24 +55,24 @@ What Accelerate 1.16 does, and what the adapter does about it:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import accelerate  # type: ignore[import-untyped]
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderStateMixin  # type: ignore[import-untyped]
 from accelerate.state import GradientState  # type: ignore[import-untyped]
 from accelerate.utils import DistributedType, send_to_device  # type: ignore[import-untyped]
 
 from odb_core.errors import ConfigError
-from odb_core.integrations.versions import extra_range, in_range
+from odb_core.integrations.versions import check_version, warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
+from odb_core.torch.checkpoint import gather_states, load_states
 
 __all__ = [
+    "PRIVATE_MEMBERS",
     "SUPPORTED_ACCELERATE",
     "ODBAcceleratedLoader",
     "check_accelerate_version",
@@ -81,8 +82,13 @@ __all__ = [
 #: Accelerate versions the adapter is tested with (the `[accelerate]` extra's range is
 #: preferred when odb-core's metadata declares one).
 SUPPORTED_ACCELERATE = ">=1.16,<1.17"
-_STATE_FORMAT = "odb-accelerate-loader"
-_STATE_VERSION = 1
+#: Accelerate internals the adapter relies on (checked on 1.16), the only ones:
+#: `check_accelerate_version` raises when one is missing.
+PRIVATE_MEMBERS = {
+    "accelerate.data_loader.DataLoaderStateMixin": "begin()/end(): the active data loader",
+    "accelerate.state.GradientState": "end_of_dataloader, the shared gradient state",
+    "Accelerator.sync_gradients (setter)": "the loader's window boundary",
+}
 _UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed scales and accumulates gradients in its own engine",
     DistributedType.MEGATRON_LM: "Megatron-LM runs its own data and accumulation loop",
@@ -92,29 +98,27 @@ _warned: set[str] = set()
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _supported_range() -> str:
-    return extra_range("accelerate", "accelerate", SUPPORTED_ACCELERATE)
+    warn_once(_warned, key, message)
 
 
 def check_accelerate_version(version: str | None = None) -> bool:
-    """Warn once when `accelerate.__version__` is outside the supported range."""
-    version = accelerate.__version__ if version is None else version
-    spec = _supported_range()
-    ok = in_range(version, spec)
-    if not ok:
-        _warn_once(
-            f"version:{version}",
-            f"accelerate {version} is outside the range the odb-core Accelerate adapter is "
-            f"tested with ({spec}); it relies on Accelerate's gradient state, no_sync and "
-            f"custom checkpoint objects: install a supported one, "
-            f"`pip install 'odb-core[accelerate]'` (accelerate{spec})",
-        )
-    return ok
+    """Warn once when `accelerate.__version__` is outside the supported range; raise
+    `ConfigError` when a member the adapter relies on is missing."""
+    relied = {
+        "DataLoaderStateMixin.begin": DataLoaderStateMixin,
+        "DataLoaderStateMixin.end": DataLoaderStateMixin,
+        "GradientState.end_of_dataloader": GradientState,
+        "Accelerator.sync_gradients": Accelerator,
+    }
+    return check_version(
+        "accelerate",
+        accelerate.__version__ if version is None else version,
+        extra="accelerate",
+        fallback=SUPPORTED_ACCELERATE,
+        missing=[n for n, c in relied.items() if not hasattr(c, n.split(".")[1])],
+        relies="Accelerate's gradient state, no_sync and custom checkpoint objects",
+        warned=_warned,
+    )
 
 
 def prepare_odb_loader(
@@ -236,7 +240,7 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
                 if info is None:  # pragma: no cover - the loader sets it before yielding
                     raise ConfigError("the ODBDataLoader yielded a batch without step info")
                 _check_accumulation(self.accelerator)
-                self.end_of_dataloader = _epoch_closed(self.loader, info.step)
+                self.end_of_dataloader = self.loader.epoch_closed
                 self.accelerator.sync_gradients = bool(info.sync_gradients)
                 self._expected_sync = bool(info.sync_gradients)
                 if self.device_placement:
@@ -274,41 +278,15 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
     # ---- checkpointing (accelerator.save_state / load_state) ------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's loader state (a collective: call it on every rank, as
-        `accelerator.save_state` does)."""
-        local = self.loader.state_dict()
-        world = self.loader.world_size
-        if world > 1:
-            states: list[Any] = [None] * world
-            dist.all_gather_object(states, local)
-        else:
-            states = [local]
-        return {
-            "format": _STATE_FORMAT,
-            "version": _STATE_VERSION,
-            "world_size": world,
-            "ranks": states,
-        }
+        """Every rank's loader state (`odb_core.torch.checkpoint`; a collective: call
+        it on every rank, as `accelerator.save_state` does)."""
+        return gather_states(self.loader)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the loader: this rank's own state at the same world size, every
-        rank's states merged at another."""
-        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-            raise ConfigError(
-                "this checkpoint entry is not an ODB Accelerate loader state: call "
-                "prepare_odb_loader in the same order as in the run that saved it (Accelerate "
-                "loads registered objects by position)"
-            )
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(
-                f"ODB Accelerate loader state version {state.get('version')!r}; this odb-core "
-                f"reads version {_STATE_VERSION}"
-            )
-        ranks = state["ranks"]
-        if state["world_size"] == self.loader.world_size:
-            self.loader.load_state_dict(ranks[self.loader.rank])
-        else:
-            self.loader.load_state_dict(list(ranks))
+        """Resume the loader (checked first): this rank's own state at the same world
+        size, every rank's merged at another. Call prepare_odb_loader in the same order
+        as in the run that saved it (Accelerate loads registered objects by position)."""
+        load_states(self.loader, state)
 
     def close(self) -> None:
         """`ODBDataLoader.close()`: call it on every rank when training ends, before
@@ -329,15 +307,3 @@ def _check_accumulation(accelerator: Accelerator) -> None:
             "scale already normalises over its window. Use Accelerator("
             f"gradient_accumulation_steps=1) and ODBDataLoader(grad_accum_steps={steps})"
         )
-
-
-def _epoch_closed(loader: ODBDataLoader, step: int) -> bool:
-    """Whether the batch the loader just yielded (step `step`) was its epoch's last.
-    Known when it is yielded, with no lookahead (which would move the loader's
-    resumable position past the batch in training): the loader records the epoch's
-    realised step count as it yields the last batch. A count left from an earlier
-    pass of the same epoch can also match, so a match is confirmed from the state
-    (O(samples done), at most once or twice per epoch)."""
-    if loader.epoch_steps.get(loader.epoch) != step + 1:
-        return False
-    return bool(loader.state_dict()["closed"])

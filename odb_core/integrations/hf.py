@@ -1,7 +1,7 @@
-"""HF Trainer adapter: `ODBTrainer`, a `transformers.Trainer` whose train dataloader
+"""HF Trainer adapter: `ODBHFTrainer`, a `transformers.Trainer` whose train dataloader
 is an `ODBDataLoader` built from `train_dataset` and `data_collator`.
 
-    trainer = ODBTrainer(
+    trainer = ODBHFTrainer(
         model=model,
         args=TrainingArguments(output_dir="out", num_train_epochs=3,
                                gradient_accumulation_steps=4),
@@ -11,8 +11,9 @@ is an `ODBDataLoader` built from `train_dataset` and `data_collator`.
     )
     trainer.train()                       # or trainer.train(resume_from_checkpoint=True)
 
-What transformers 5.24's Trainer does, and what the adapter does about it (all
-through overridable methods and a callback; nothing in transformers is patched):
+What transformers 5.24's Trainer does, and what the adapter does about it (through
+overridable methods and a callback; the members that are not public API are listed
+in `PRIVATE_MEMBERS`; nothing in transformers is patched):
 
 - **Length and epochs.** The Trainer sizes its loop from `len(train_dataloader)`:
   `max_steps = epochs x len // G`, an epoch stops after that many optimizer
@@ -48,9 +49,10 @@ through overridable methods and a callback; nothing in transformers is patched):
   `loss_is_scaled_for_ga = True` stops the division by G. A model that takes no
   loss kwargs (and no `compute_loss_func`): its mean loss times `meta.loss_scale`.
 - **Resume.** The Trainer fast-forwards a resumed epoch with `skip_first_batches`,
-  which needs a torch DataLoader. Each checkpoint folder gets every rank's
-  `loader.state_dict()` (`odb_loader_rank{r}.json`) and the schedule length
-  (`odb_trainer.json`); `train(resume_from_checkpoint=...)` loads them into the new
+  which needs a torch DataLoader. At each save (`on_save`, every rank) the
+  checkpoint folder gets every rank's loader state in the one format of every
+  adapter (`odb_loader_states.json`, `odb_core.torch.checkpoint`) and the schedule
+  length (`odb_trainer.json`); `train(resume_from_checkpoint=...)` loads them into the new
   loader before the loop starts, and the Trainer's own fast-forward is off
   (`ignore_data_skip` during `train()`).
 """
@@ -60,10 +62,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -82,18 +82,26 @@ from transformers.trainer_utils import (
 
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
-from odb_core.integrations.hf_lr import progress_schedule
-from odb_core.integrations.versions import extra_range, in_range
+from odb_core.integrations.hf_lr import ClampedLR, progress_schedule
+from odb_core.integrations.versions import check_version, deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.schedule import TokenScaling
 from odb_core.torch import ODBDataLoader, ProgressLR
-from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, step_meta
+from odb_core.torch.checkpoint import STATES_FORMAT, STATES_VERSION, gather_states, load_states
+from odb_core.torch.meta import (
+    STEP_META_KEY,
+    pop_step_meta,
+    scaled_loss,
+    step_meta,
+    zero_if_unweighted,
+)
 
 __all__ = [
+    "PRIVATE_MEMBERS",
     "SUPPORTED_TRANSFORMERS",
     "ClampedLR",
     "ODBArguments",
-    "ODBTrainer",
+    "ODBHFTrainer",
     "check_transformers_version",
 ]
 
@@ -103,13 +111,14 @@ log = logging.getLogger("odb_core")
 #: range, read from odb-core's metadata when installed; this is the fallback).
 SUPPORTED_TRANSFORMERS = ">=5.24.0,<5.25"
 #: Files each checkpoint folder gets.
-LOADER_STATE = "odb_loader_rank{rank}.json"
+LOADER_STATES = "odb_loader_states.json"
+_OLD_LOADER_STATE = "odb_loader_rank*.json"  # before odb_loader_states.json: read once
 TRAINER_STATE = "odb_trainer.json"
 
 #: ODBDataLoader arguments the trainer sets itself, and where to set them instead.
 _OWNED = {
-    "dataset": "pass train_dataset= to ODBTrainer",
-    "collate_fn": "pass data_collator= to ODBTrainer",
+    "dataset": "pass train_dataset= to ODBHFTrainer",
+    "collate_fn": "pass data_collator= to ODBHFTrainer",
     "grad_accum_steps": "set TrainingArguments(gradient_accumulation_steps=...)",
     "tokens_per_update": (
         "the HF Trainer steps the optimizer every gradient_accumulation_steps "
@@ -136,44 +145,38 @@ _warned: set[str] = set()
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
+    warn_once(_warned, key, message)
 
 
-# ---- versions ----------------------------------------------------------------------------
-
-
-def _supported_range() -> str:
-    return extra_range("transformers", "hf", SUPPORTED_TRANSFORMERS)
+#: Trainer members that are not public API, what the adapter uses each for, and the
+#: transformers versions they were checked on; `check_transformers_version` raises
+#: when one is missing. Everything else goes through public methods and callbacks.
+PRIVATE_MEMBERS = {
+    "Trainer.set_initial_training_values": "its 7-tuple: the loop's sizes (5.24)",
+    "Trainer.get_batch_samples": "one optimizer window per fetch (5.24)",
+    "Trainer.loss_is_scaled_for_ga": "no division by gradient_accumulation_steps (5.24)",
+    "Trainer.get_tp_size": "the factor average_tokens_across_devices applies (5.24)",
+    "Trainer._get_collator_with_removed_columns": "remove_unused_columns (5.24)",
+    "ProgressCallback.training_bar": "the bar's total follows the plan (5.24)",
+}
 
 
 def check_transformers_version(version: str | None = None) -> bool:
     """Warn once when `transformers.__version__` is outside the supported range;
-    raise `ConfigError` when the Trainer lacks a method the adapter overrides."""
-    version = transformers.__version__ if version is None else version
-    spec = _supported_range()
-    ok = in_range(version, spec)
-    fix = f"pip install 'odb-core[hf]' (transformers{spec})"
-    missing = [
-        name
-        for name in ("set_initial_training_values", "get_batch_samples", "_save_checkpoint")
-        if not callable(getattr(Trainer, name, None))
-    ]
-    if missing or not hasattr(Trainer, "loss_is_scaled_for_ga"):
-        lacks = ", ".join(missing) or "loss_is_scaled_for_ga"
-        raise ConfigError(
-            f"transformers {version}: its Trainer has no {lacks}, which ODBTrainer "
-            f"overrides; install a supported version: {fix}"
-        )
-    if not ok:
-        _warn_once(
-            f"version:{version}",
-            f"transformers {version} is outside the range the odb-core HF adapter is tested "
-            f"with ({spec}); ODBTrainer relies on how Trainer's loop counts gradient "
-            f"accumulation steps and normalises the loss. Install a supported one: {fix}",
-        )
-    return ok
+    raise `ConfigError` when the Trainer lacks a member the adapter relies on."""
+    return check_version(
+        "transformers",
+        transformers.__version__ if version is None else version,
+        extra="hf",
+        fallback=SUPPORTED_TRANSFORMERS,
+        missing=[
+            n
+            for n in PRIVATE_MEMBERS
+            if n.startswith("Trainer.") and not hasattr(Trainer, n.split(".", 1)[1])
+        ],
+        relies="how Trainer's loop counts gradient accumulation steps and normalises the loss",
+        warned=_warned,
+    )
 
 
 # ---- options -----------------------------------------------------------------------------
@@ -181,9 +184,12 @@ def check_transformers_version(version: str | None = None) -> bool:
 
 @dataclasses.dataclass
 class ODBArguments:
-    """ODB's loader options for `ODBTrainer` (what `TrainingArguments` has no field for).
+    """ODB's loader options for `ODBHFTrainer` (what `TrainingArguments` has no field for).
 
-    `None` leaves the `ODBDataLoader` default, except `shuffle` (default: True, or
+    `cost_model` defaults to `"padded"` (the loader's default is `"packed"`): an HF
+    `data_collator` pads, and a padded batch costs rows x its longest row; pass
+    `"packed"` with a packing collator. `None` leaves the `ODBDataLoader` default,
+    except `shuffle` (default: True, or
     False with `train_sampling_strategy="sequential"`), `seed` (default:
     `data_seed`, else `seed`) and `label_shift` (0 for an encoder-decoder model).
     Any other `ODBDataLoader` argument goes in `loader_kwargs` (or, with a dict,
@@ -220,7 +226,7 @@ class ODBArguments:
                 raise ConfigError("odb= needs token_budget (tokens per batch, under cost_model)")
             return cls(**known, loader_kwargs=extra)
         raise ConfigError(
-            "ODBTrainer needs odb=ODBArguments(token_budget=...) (or a dict of ODBDataLoader "
+            "ODBHFTrainer needs odb=ODBArguments(token_budget=...) (or a dict of ODBDataLoader "
             f"options); got {value!r}"
         )
 
@@ -270,37 +276,10 @@ class _WindowFill(dict):  # type: ignore[type-arg]
     """An empty entry before a short window's batches (see the module docstring)."""
 
 
-class ClampedLR:
-    """An LR scheduler that stops advancing after `total` steps: sized from an
-    estimate, it never steps past its end (a cosine would come back up)."""
-
-    def __init__(self, scheduler: Any, total: int) -> None:
-        self.scheduler = scheduler
-        self.total = int(total)
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.scheduler.last_epoch < self.total:
-            self.scheduler.step(*args, **kwargs)
-
-    def get_last_lr(self) -> list[float]:
-        return list(self.scheduler.get_last_lr())
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.scheduler.state_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "scheduler":  # not set yet (unpickling)
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
-
-
 # ---- the trainer -------------------------------------------------------------------------
 
 
-class ODBTrainer(Trainer):
+class ODBHFTrainer(Trainer):
     """A `transformers.Trainer` whose train dataloader is an `ODBDataLoader`.
 
     `odb`: `ODBArguments` (or a dict of them / of ODBDataLoader options). Everything
@@ -315,6 +294,7 @@ class ODBTrainer(Trainer):
     """
 
     loss_is_scaled_for_ga = True  # the core's scale already covers the whole window
+    _odb_adapter = True  # the loader's check for a plain Trainer (odb_core.torch.trainer_checks)
 
     def __init__(self, *args: Any, odb: ODBArguments | Mapping[str, Any], **kwargs: Any) -> None:
         check_transformers_version()
@@ -343,19 +323,19 @@ class ODBTrainer(Trainer):
         args = self.args
         if args.dataloader_drop_last:
             raise ConfigError(
-                "TrainingArguments(dataloader_drop_last=True) would drop samples; ODBTrainer "
+                "TrainingArguments(dataloader_drop_last=True) would drop samples; ODBHFTrainer "
                 "trains every sample of an epoch exactly once: set dataloader_drop_last=False"
             )
         if args.auto_find_batch_size:
             raise ConfigError(
                 "auto_find_batch_size=True retries with smaller per-device batch sizes, which "
-                "ODBTrainer does not use: set auto_find_batch_size=False and lower "
+                "ODBHFTrainer does not use: set auto_find_batch_size=False and lower "
                 "odb token_budget instead"
             )
         if getattr(self, "is_deepspeed_enabled", False):
             raise ConfigError(
                 "DeepSpeed counts gradient accumulation micro-steps in its own engine, which "
-                "ODBTrainer's windows (the epoch's last one shorter) do not fit; use DDP or FSDP"
+                "ODBHFTrainer's windows (the epoch's last one shorter) do not fit; use DDP or FSDP"
             )
         if args.n_gpu > 1:
             raise ConfigError(
@@ -375,14 +355,14 @@ class ODBTrainer(Trainer):
             _warn_once(
                 "per_device_train_batch_size",
                 f"per_device_train_batch_size={args.per_device_train_batch_size} is ignored "
-                "by ODBTrainer: batches are sized by odb token_budget (cap the samples per "
+                "by ODBHFTrainer: batches are sized by odb token_budget (cap the samples per "
                 "batch with odb max_samples=). Leave per_device_train_batch_size at its default.",
             )
         if args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
             _warn_once(
                 "train_sampling_strategy",
                 f"train_sampling_strategy={args.train_sampling_strategy!r} is ignored by "
-                "ODBTrainer: the loader groups samples by cost itself (shuffle per epoch, or "
+                "ODBHFTrainer: the loader groups samples by cost itself (shuffle per epoch, or "
                 "train_sampling_strategy='sequential' for the dataset order)",
             )
 
@@ -390,7 +370,7 @@ class ODBTrainer(Trainer):
     def _whole_epochs(epochs: float) -> int:
         if epochs < 1 or int(epochs) != epochs:
             raise ConfigError(
-                f"num_train_epochs={epochs!r}: ODBTrainer runs whole epochs, each to its end "
+                f"num_train_epochs={epochs!r}: ODBHFTrainer runs whole epochs, each to its end "
                 "(an epoch's step count is decided online); give a whole number >= 1, or "
                 "max_steps= to stop after a number of optimizer steps"
             )
@@ -400,7 +380,7 @@ class ODBTrainer(Trainer):
     def _check_train_dataset(dataset: Any) -> None:
         if isinstance(dataset, (DataLoader, ODBDataLoader, _TrainBatches)):
             raise ConfigError(
-                f"train_dataset is a {type(dataset).__name__}: ODBTrainer builds its own "
+                f"train_dataset is a {type(dataset).__name__}: ODBHFTrainer builds its own "
                 "ODBDataLoader from train_dataset and data_collator. Pass the dataset itself "
                 "(train_dataset=loader.dataset) and the loader options as odb=ODBArguments(...)"
             )
@@ -455,7 +435,7 @@ class ODBTrainer(Trainer):
         batches = self._odb_batches
         if dataloader is not batches or batches is None:
             raise ConfigError(
-                f"ODBTrainer's train dataloader must be the one ODBTrainer.get_train_dataloader "
+                "ODBHFTrainer's train dataloader must be the one its get_train_dataloader "
                 f"builds (an ODBDataLoader); got {type(dataloader).__name__}. Do not override "
                 "get_train_dataloader; pass the dataset and odb=ODBArguments(...) instead"
             )
@@ -464,8 +444,7 @@ class ODBTrainer(Trainer):
         dataset = loader.dataset
         sized = not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__")
         samples = len(dataset) if sized else 0
-        # An epoch has at most one step per sample of its busiest rank's shard.
-        bound = samples if getattr(loader, "partition", True) else samples * args.world_size
+        bound = loader.step_bound()  # a per-epoch cap no epoch reaches
         estimate = loader.steps_estimate() if sized else None
         if estimate is not None:
             self._odb_epoch_steps_estimate = max(1, estimate.steps)
@@ -473,17 +452,17 @@ class ODBTrainer(Trainer):
             self._odb_target_epochs = None
             max_steps = args.max_steps
             epochs = sys.maxsize
-            per_epoch = math.ceil(bound / accum) + 1 if sized else max_steps
+            per_epoch = loader.optimizer_steps(bound) + 1 if bound else max_steps
             schedule = planned = max_steps
         else:
-            assert estimate is not None  # the Trainer rejects an unsized dataset without max_steps
+            assert estimate is not None and bound  # the Trainer rejects an unsized dataset
             epochs = self._whole_epochs(args.num_train_epochs)
             self._odb_target_epochs = epochs
-            per_epoch = math.ceil(bound / accum) + 1
+            per_epoch = loader.optimizer_steps(bound) + 1
             max_steps = epochs * per_epoch
-            schedule = self._odb_saved_schedule or epochs * math.ceil(estimate.upper / accum)
-            planned = self._odb_saved_plan or epochs * math.ceil(
-                loader.planned_steps().steps / accum
+            schedule = self._odb_saved_schedule or epochs * loader.optimizer_steps(estimate.upper)
+            planned = self._odb_saved_plan or epochs * loader.optimizer_steps(
+                loader.planned_steps().steps
             )
         self._odb_schedule_steps = schedule
         self._odb_planned_updates = planned
@@ -603,7 +582,7 @@ class ODBTrainer(Trainer):
         return fill + window, None
 
     def _epoch_ended(self, loader: ODBDataLoader) -> None:
-        epoch = _finished_epoch(loader)
+        epoch = loader.epoch  # the epoch it has just finished
         self.state.epoch = float(epoch + 1)
         self.control.should_epoch_stop = True
         estimate = loader.steps_estimate() if self._odb_epoch_steps_estimate else None
@@ -655,8 +634,8 @@ class ODBTrainer(Trainer):
         if STEP_META_KEY not in inputs:
             if model.training:
                 raise ODBError(
-                    f"ODBTrainer.compute_loss got a training batch without {STEP_META_KEY!r}: "
-                    "it must come from the ODBDataLoader that ODBTrainer builds"
+                    f"ODBHFTrainer.compute_loss got a training batch without {STEP_META_KEY!r}: "
+                    "it must come from the ODBDataLoader that ODBHFTrainer builds"
                 )
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         meta = pop_step_meta(inputs)
@@ -665,12 +644,11 @@ class ODBTrainer(Trainer):
         if by_tokens and (sums or self.label_smoother is not None):
             # Σ token loss / num_items, num_items = window tokens / W, times the factor
             # the Trainer multiplies by afterwards (average_tokens_across_devices).
-            items = max(1, meta.window_loss_tokens) / meta.world_size * self._hf_loss_factor(sums)
+            items = meta.loss_denominator * self._hf_loss_factor(sums)
             n = torch.tensor(items, dtype=torch.float64, device=self.args.device)
             result = super().compute_loss(model, inputs, return_outputs, n)
             loss: torch.Tensor = cast(Any, result)[0] if return_outputs else cast(Any, result)
-            if meta.is_pad:  # a pad batch holds a real sample: weight 0, graph kept
-                loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+            loss = zero_if_unweighted(meta, loss)  # a pad batch holds a real sample: weight 0
         else:
             result = super().compute_loss(model, inputs, return_outputs, None)
             loss = cast(Any, result)[0] if return_outputs else cast(Any, result)
@@ -711,52 +689,47 @@ class ODBTrainer(Trainer):
             self.args.ignore_data_skip = skip
             self._odb_resume_dir = None
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        folder = Path(
-            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        )
-        self.save_odb_state(folder)
-        super()._save_checkpoint(model, trial)
-
     def save_odb_state(self, folder: str | os.PathLike[str]) -> None:
-        """Write this rank's loader state (and, on rank 0, the schedule length) into
-        a checkpoint folder."""
+        """Write every rank's loader state (`odb_core.torch.checkpoint`, the format of
+        every adapter) and the schedule length into a checkpoint folder: a collective,
+        call it on every rank (the callback does at each save); rank 0 writes."""
         loader = self.odb_loader
         if loader is None:
             return
+        states = gather_states(loader)
+        if not self.args.should_save:
+            return
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        _write_json(folder / LOADER_STATE.format(rank=loader.rank), loader.state_dict())
-        if self.args.should_save:
-            _write_json(
-                folder / TRAINER_STATE,
-                {
-                    "schedule_steps": self._odb_schedule_steps,
-                    "planned_updates": self._odb_planned_updates,
-                    "num_train_epochs": self._odb_target_epochs,
-                    "world_size": loader.world_size,
-                    "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
-                },
-            )
+        _write_json(folder / LOADER_STATES, states)
+        trainer = {
+            "schedule_steps": self._odb_schedule_steps,
+            "planned_updates": self._odb_planned_updates,
+            "num_train_epochs": self._odb_target_epochs,
+            "world_size": loader.world_size,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+        }
+        _write_json(folder / TRAINER_STATE, trainer)
 
     def _load_odb_state(self, folder: str) -> None:
         loader = self.odb_loader
         assert loader is not None
         path = Path(folder)
-        files = sorted(path.glob(LOADER_STATE.format(rank="*")))
-        if not files:
-            raise ConfigError(
-                f"checkpoint {folder} has no ODB loader state ({LOADER_STATE.format(rank='*')}): "
-                "it was not written by ODBTrainer, so the epoch cannot resume exactly once. "
-                "Resume from a checkpoint ODBTrainer saved, or start the training anew"
-            )
-        states = {int(f.stem.rsplit("rank", 1)[1]): json.loads(f.read_text()) for f in files}
-        if sorted(states) != list(range(len(states))):
-            raise ConfigError(f"checkpoint {folder}: loader states of ranks {sorted(states)}")
-        if len(states) == loader.world_size:
-            loader.load_state_dict(states[loader.rank])
-        else:  # another world size: every rank merges all the saved states
-            loader.load_state_dict([states[r] for r in range(len(states))])
+        if (path / LOADER_STATES).exists():
+            load_states(loader, json.loads((path / LOADER_STATES).read_text()))
+        else:  # odb-core before one format: a file per rank, read once
+            files = sorted(path.glob(_OLD_LOADER_STATE))
+            if not files:
+                raise ConfigError(
+                    f"checkpoint {folder} has no ODB loader state ({LOADER_STATES}): it was not "
+                    "written by ODBHFTrainer, so the epoch cannot resume exactly once. Resume "
+                    "from a checkpoint ODBHFTrainer saved, or start the training anew"
+                )
+            ranks = {int(f.stem.rsplit("rank", 1)[1]): json.loads(f.read_text()) for f in files}
+            if sorted(ranks) != list(range(len(ranks))):
+                raise ConfigError(f"checkpoint {folder}: loader states of ranks {sorted(ranks)}")
+            entry = {"format": STATES_FORMAT, "version": STATES_VERSION, "ranks": []}
+            load_states(loader, {**entry, "ranks": [ranks[r] for r in range(len(ranks))]})
         meta_file = path / TRAINER_STATE
         if meta_file.exists():
             saved = json.loads(meta_file.read_text())
@@ -767,9 +740,9 @@ class ODBTrainer(Trainer):
                 self.args.num_train_epochs if self.args.max_steps <= 0 else None
             ):
                 self._odb_saved_plan = int(saved["planned_updates"])
-        if _closed(loader) and self._odb_batches is not None:
+        if loader.epoch_closed and self._odb_batches is not None:
             # Saved at an epoch's end: that epoch counts as done.
-            done = _finished_epoch(loader) + 1
+            done = loader.epoch + 1
             target = self.args.num_train_epochs if self.args.max_steps <= 0 else None
             if target is not None and done >= target:
                 self._odb_batches.finished = True
@@ -781,7 +754,7 @@ class _ODBCallback(TrainerCallback):
     the end), fractional logging/eval/save steps on it, and `state.epoch` on the
     loader's epochs."""
 
-    def __init__(self, trainer: ODBTrainer) -> None:
+    def __init__(self, trainer: ODBHFTrainer) -> None:
         self.trainer = trainer
 
     def _total(self) -> int | None:
@@ -808,36 +781,34 @@ class _ODBCallback(TrainerCallback):
             done = infos[-1].step + 1
             fraction = min(done / max(1, t._odb_epoch_steps_estimate), 0.999)
             state.epoch = loader.epoch + fraction
-        for cb in t.callback_handler.callbacks:
-            bar = getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
-            if bar is not None and bar.total is not None and bar.total < state.max_steps:
+        for bar in self._bars():
+            if bar.total is not None and bar.total < state.max_steps:
                 bar.total = state.max_steps
                 bar.refresh()
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if control.should_training_stop:  # the bar ends full, not at the estimate
-            for cb in self.trainer.callback_handler.callbacks:
-                bar = (
-                    getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
-                )
-                if bar is not None:
-                    bar.total = bar.n
-                    bar.refresh()
+            for bar in self._bars():
+                bar.total = bar.n
+                bar.refresh()
+
+    def _bars(self) -> list[Any]:
+        """The training bars of the Trainer's ProgressCallbacks (PRIVATE_MEMBERS)."""
+        callbacks = self.trainer.callback_handler.callbacks
+        bars = [getattr(cb, "training_bar", None) for cb in callbacks]
+        kept = zip(bars, callbacks, strict=True)
+        return [b for b, cb in kept if b is not None and isinstance(cb, ProgressCallback)]
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Every rank (a collective), after the Trainer saved its checkpoint folder.
+        folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self.trainer.save_odb_state(folder)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.close_odb_loader()
 
 
 # ---- helpers -----------------------------------------------------------------------------
-
-
-def _finished_epoch(loader: ODBDataLoader) -> int:
-    """The epoch the loader has just finished."""
-    return int(loader.epoch)
-
-
-def _closed(loader: ODBDataLoader) -> bool:
-    return bool(loader.state_dict().get("closed"))
 
 
 def _field_default(cls: type, name: str) -> Any:
@@ -851,3 +822,6 @@ def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
+
+
+__getattr__ = deprecated_names(__name__, {"ODBTrainer": ("ODBHFTrainer", ODBHFTrainer)})

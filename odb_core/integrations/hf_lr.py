@@ -1,7 +1,8 @@
-"""HF Trainer's learning-rate arguments as a progress-driven `Schedule`.
+"""HF Trainer's learning-rate arguments as a progress-driven `Schedule`, and `ClampedLR`
+for the types without one.
 
 `TrainingArguments(lr_scheduler_type=..., warmup_steps=..., lr_scheduler_kwargs=...)`
-names a schedule of the optimizer step; `ODBTrainer` runs the same shape on the
+names a schedule of the optimizer step; `ODBHFTrainer` runs the same shape on the
 run's exact progress (`odb_core.torch.ProgressLR`), so it ends on the last update.
 The types with a progress form: linear, cosine (the default half cycle),
 constant, constant_with_warmup, cosine_with_min_lr. Any other type (or
@@ -22,7 +23,7 @@ from typing import Any
 from odb_core.errors import ConfigError
 from odb_core.schedule import Schedule, Shape
 
-__all__ = ["progress_schedule"]
+__all__ = ["ClampedLR", "progress_schedule"]
 
 _SHAPES = {
     "linear": Shape.LINEAR,
@@ -80,3 +81,30 @@ def _warmup_fraction(warmup_steps: float, planned_updates: int) -> float:
             "give fewer steps or a fraction in [0, 1)"
         )
     return float(warmup_steps) / planned_updates
+
+
+class ClampedLR:
+    """An LR scheduler that stops advancing after `total` steps: sized from an
+    estimate, it never steps past its end (a cosine would come back up)."""
+
+    def __init__(self, scheduler: Any, total: int) -> None:
+        self.scheduler = scheduler
+        self.total = int(total)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.scheduler.last_epoch < self.total:
+            self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.scheduler.get_last_lr())
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.scheduler.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

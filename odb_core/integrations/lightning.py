@@ -1,8 +1,8 @@
-"""Lightning adapter: `ODBDataModule` (+ the `ODBCallback` it attaches), `ODBTrainer`,
+"""Lightning adapter: `ODBDataModule` (+ the `ODBCallback` it attaches), `ODBLightningTrainer`,
 `ODBProgressBar` / `ODBRichProgressBar`, `lightning_loss`.
 
     dm = ODBDataModule(dataset, collate_fn=collate, token_budget=8192, shuffle=True)
-    trainer = ODBTrainer(max_epochs=3, accumulate_grad_batches=2)   # or lightning's Trainer
+    trainer = ODBLightningTrainer(max_epochs=3, accumulate_grad_batches=2)  # or pl.Trainer
     trainer.fit(model, datamodule=dm)
 
     def training_step(self, batch, batch_idx):            # in the LightningModule
@@ -32,11 +32,12 @@ What Lightning does, and what the adapter does about it (Lightning 2.6):
 - Checkpoints: Lightning writes the checkpoint from rank 0 and, under its prefetch,
   the loader has already yielded the next batch. `ODBDataModule.state_dict()`
   (saved in the checkpoint, resumed from `ckpt_path`) holds every rank's state as
-  of the last batch that *started training* (all-gathered on a gloo group), so a
-  resume covers the epoch exactly once. `trainer.save_checkpoint` must run on every
+  of the last batch that *started training* (`loader.state_after(step)`, gathered
+  by `odb_core.torch.checkpoint`, the format of every adapter), so a resume
+  covers the epoch exactly once. `trainer.save_checkpoint` must run on every
   rank, as Lightning documents.
 - `trainer.estimated_stepping_batches` reads the length, so Lightning reports
-  `max_steps` (-1); `ODBTrainer` (or `estimated_stepping_batches(trainer)`) sizes it
+  `max_steps` (-1); `ODBLightningTrainer` (or `estimated_stepping_batches(trainer)`) sizes it
   from the loader's upper estimate instead. `ODBProgressBar` shows the estimate.
 - LR schedules: `ProgressLR(opt, datamodule, epochs=...)` in `configure_optimizers`
   (interval "step"); `ODBDataModule.run_progress` is the loader's progress as of
@@ -45,11 +46,8 @@ What Lightning does, and what the adapter does about it (Lightning 2.6):
 
 from __future__ import annotations
 
-import datetime
 import inspect
-import math
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning
@@ -57,23 +55,24 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.strategies import Strategy
 from torch.utils.data import DataLoader
 
-from odb_core.errors import ConfigError, ODBError, ODBPeerError
-from odb_core.idset import decode, encode
-from odb_core.integrations.versions import extra_range, in_range
+from odb_core.errors import ConfigError, ODBError
+from odb_core.integrations.versions import check_version, deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.protocol import StepInfo
-from odb_core.resume import STATE_VERSION, seal
 from odb_core.torch import ODBDataLoader, StepMeta, step_meta
+from odb_core.torch.checkpoint import gather_states, load_states, states_of
 
 __all__ = [
+    "PRIVATE_MEMBERS",
     "SUPPORTED_LIGHTNING",
     "ODBCallback",
     "ODBDataModule",
+    "ODBLightningTrainer",
     "ODBProgressBar",
     "ODBRichProgressBar",
-    "ODBTrainer",
     "check_lightning_version",
     "estimated_stepping_batches",
     "lightning_loss",
@@ -82,29 +81,13 @@ __all__ = [
 #: Lightning versions the adapter is tested with (the `[lightning]` extra's range is
 #: preferred when odb-core's metadata declares one).
 SUPPORTED_LIGHTNING = ">=2.6,<2.7"
-_STATE_FORMAT = "odb-lightning-datamodule"
-_STATE_VERSION = 1
-# The loader state's fields (odb_core.resume.EpochProgress.to_dict), which `_undo_last` knows.
-_STATE_KEYS = frozenset(
-    [
-        "format",
-        "version",
-        "fingerprint",
-        "epoch",
-        "step",
-        "emitted",
-        "closed",
-        "base_done",
-        "world_size",
-        "rank",
-        "done",
-        "carry",
-        "window",
-        "start_step",
-        "start_emitted",
-        "start_window",
-        "checksum",
-    ]
+#: Lightning members the adapter relies on (all public API; checked on 2.6):
+#: `check_lightning_version` raises when one is missing.
+PRIVATE_MEMBERS: dict[str, str] = {}
+_RELIES_ON = (
+    (pl.Trainer, "estimated_stepping_batches"),
+    (Strategy, "handles_gradient_accumulation"),
+    (TQDMProgressBar, "total_train_batches"),
 )
 _LOADER_ARGS = frozenset(inspect.signature(ODBDataLoader.__init__).parameters) - {"self"}
 _warned: set[str] = set()
@@ -115,29 +98,21 @@ def _datamodule_of(trainer: pl.Trainer) -> Any:
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _supported_range() -> str:
-    return extra_range("lightning", "lightning", SUPPORTED_LIGHTNING)
+    warn_once(_warned, key, message)
 
 
 def check_lightning_version(version: str | None = None) -> bool:
-    """Warn once when `lightning.__version__` is outside the supported range."""
-    version = lightning.__version__ if version is None else version
-    spec = _supported_range()
-    ok = in_range(version, spec)
-    if not ok:
-        _warn_once(
-            f"version:{version}",
-            f"lightning {version} is outside the range the odb-core Lightning adapter is "
-            f"tested with ({spec}); it relies on Lightning's fit loop (prefetch, gradient "
-            f"accumulation, checkpoint hooks): install a supported one, "
-            f"`pip install 'odb-core[lightning]'` (lightning{spec})",
-        )
-    return ok
+    """Warn once when `lightning.__version__` is outside the supported range; raise
+    `ConfigError` when a member the adapter relies on is missing."""
+    return check_version(
+        "lightning",
+        lightning.__version__ if version is None else version,
+        extra="lightning",
+        fallback=SUPPORTED_LIGHTNING,
+        missing=[f"{c.__name__}.{a}" for c, a in _RELIES_ON if not hasattr(c, a)],
+        relies="Lightning's fit loop (prefetch, gradient accumulation, checkpoint hooks)",
+        warned=_warned,
+    )
 
 
 # ---- the DataModule ---------------------------------------------------------------------
@@ -231,12 +206,10 @@ class ODBDataModule(pl.LightningDataModule):
         self.loader_options = dict(loader_options)
         self.window_steps: int | None = None  # the loader's grad_accum_steps once built
         self._loader: ODBDataLoader | None = None
-        self._group: Any = None
         self._train = _TrainLoader(self)
-        self._pending: list[Any] | None = None  # loader states from a checkpoint
+        self._pending: dict[str, Any] | None = None  # the loader states of a checkpoint
         self._reported_estimate: int | float | None = None
         self._callback = ODBCallback()
-        self._verify_states = False  # tests: also snapshot each step and compare
         self._reset_tracking()
         self._iterating = False
 
@@ -251,35 +224,19 @@ class ODBDataModule(pl.LightningDataModule):
         return self._train
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's loader state as of its last batch that started training
-        (a collective: every rank must save, as `trainer.save_checkpoint` requires)."""
+        """Every rank's loader state as of its last batch that started training, in
+        the one checkpoint format (`odb_core.torch.checkpoint`; a collective: every
+        rank must save, as `trainer.save_checkpoint` requires)."""
         if self._pending is not None:
-            states = list(self._pending)
-        elif self._loader is None:
+            return dict(self._pending)
+        if self._loader is None:
             return {}
-        else:
-            states = self._gather(self._local_state())
-        return {
-            "format": _STATE_FORMAT,
-            "version": _STATE_VERSION,
-            "world_size": len(states),
-            "loader_states": states,
-        }
+        return gather_states(self._loader, self._local_state())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not state_dict:
-            return
-        if (
-            not isinstance(state_dict, Mapping)
-            or state_dict.get("format") != _STATE_FORMAT
-            or state_dict.get("version") != _STATE_VERSION
-            or not isinstance(state_dict.get("loader_states"), Sequence)
-        ):
-            raise ConfigError(
-                f"not an {type(self).__name__} state (format {_STATE_FORMAT!r} version "
-                f"{_STATE_VERSION}): keys {sorted(state_dict)[:8]}"
-            )
-        self._pending = list(state_dict["loader_states"])
+        if state_dict:
+            states_of(state_dict)  # the shape checked now; the states when loaded
+            self._pending = dict(state_dict)
 
     # ---- the loader ----
 
@@ -302,11 +259,7 @@ class ODBDataModule(pl.LightningDataModule):
                     "built by train_dataloader() inside trainer.fit: do not call it earlier"
                 )
         self.window_steps = options.get("grad_accum_steps")
-        loader = ODBDataLoader(self.dataset, collate_fn=self.collate_fn, **options)
-        if loader.world_size > 1:
-            timeout = datetime.timedelta(seconds=float(loader.transport_timeout) or 300.0)
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
-        return loader
+        return ODBDataLoader(self.dataset, collate_fn=self.collate_fn, **options)
 
     @staticmethod
     def _windows(trainer: pl.Trainer, options: dict[str, Any]) -> dict[str, Any]:
@@ -390,31 +343,20 @@ class ODBDataModule(pl.LightningDataModule):
         estimate = self.steps_estimate()
         if estimate is None:
             return None
-        upper = int(estimate.upper)
-        tokens_windows = self.loader_options.get("tokens_per_update") is not None
-        if tokens_windows or not self.window_steps:
-            return upper  # a window is at least one step
-        return math.ceil(upper / self.window_steps)
+        return self.loader.optimizer_steps(estimate.upper)
 
     # ---- iteration (Lightning's view) ----
 
     def _reset_tracking(self) -> None:
         self._last: StepInfo | None = None  # the batch last handed to Lightning
-        self._prev: StepInfo | None = None  # the one before it, in this pass
         self._trained: int | None = None  # step of the last batch that started training
-        self._start: dict[str, Any] | None = None  # the loader's state when this pass began
-        self._before: dict[str, Any] | None = None  # snapshot mode: state before `_last`
-        self._snapshots = self._verify_states
         self._exhausted = False
 
     def _epoch(self) -> Iterator[Any]:
         loader = self.loader
         if self._pending is not None:
-            states, self._pending = self._pending, None
-            if len(states) == loader.world_size:
-                loader.load_state_dict(states[loader.rank])
-            else:  # another world size: the merged states
-                loader.load_state_dict(states)
+            entry, self._pending = self._pending, None
+            load_states(loader, entry)
         elif self._iterating and not self._exhausted:
             _warn_once(
                 "restart",
@@ -425,79 +367,23 @@ class ODBDataModule(pl.LightningDataModule):
         it = iter(loader)
         self._reset_tracking()
         self._iterating = True
-        self._start = loader.state_dict()  # once per pass
-        if set(self._start) != _STATE_KEYS or self._start.get("version") != STATE_VERSION:
-            _warn_once(
-                "state-format",
-                "unknown ODBDataLoader state format: the Lightning adapter keeps a state "
-                "snapshot per step (slower) instead of undoing the prefetched batch",
-            )
-            self._snapshots = True
-        while True:
-            before = loader.state_dict() if self._snapshots and self._last is not None else None
-            try:
-                batch = next(it)
-            except StopIteration:
-                self._exhausted = True
-                return
-            self._before = before if before is not None else self._start
-            self._prev, self._last = self._last, loader.step_info
+        for batch in it:
+            self._last = loader.step_info
             yield batch
+        self._exhausted = True
 
     def _local_state(self) -> dict[str, Any]:
-        """This rank's state as of the last batch that started training."""
-        loader = self.loader
+        """This rank's state as of the last batch that started training (Lightning
+        has prefetched one more)."""
         last, trained = self._last, self._trained
-        if last is None or trained == last.step:
-            return loader.state_dict()
-        if trained is None:  # the pass's first batch is prefetched, none trained
-            assert self._start is not None
-            return self._start
-        if trained != last.step - 1:
+        if last is not None and trained is not None and trained < last.step - 1:
             raise ODBError(
                 f"the loader yielded step {last.step} but step {trained} is training: a "
                 "prefetch deeper than one batch, which the Lightning adapter does not support"
             )
-        # Lightning prefetched `last`: the state before it.
-        if self._snapshots and not self._verify_states:
-            assert self._before is not None
-            return self._before
-        state = self._undo_last(loader.state_dict())
-        if self._verify_states and state != self._before:
-            raise ODBError(f"state reconstruction differs:\n{state}\n{self._before}")
-        return state
-
-    def _undo_last(self, after: dict[str, Any]) -> dict[str, Any]:
-        """The loader's state before it yielded `_last`, from its state after it:
-        what the loader's bookkeeping of one yielded batch adds (step, emitted count,
-        done ids, the next window, the close and its carry), taken back."""
-        last, prev, start = self._last, self._prev, self._start
-        assert last is not None and start is not None
-        ids = set(last.sample_ids)
-        return seal(
-            {
-                **after,
-                "step": last.step,
-                "emitted": after["emitted"] - last.global_samples,
-                "done": encode(decode(after["done"], "done") - ids),
-                "closed": False,
-                "window": start["window"] if prev is None else prev.window + 1,
-                "carry": start["carry"],
-            }
-        )
-
-    def _gather(self, local: Any) -> list[Any]:
-        if self._group is None:
-            return [local]
-        out: list[Any] = [None] * dist.get_world_size(self._group)
-        try:
-            dist.all_gather_object(out, local, group=self._group)
-        except RuntimeError as exc:
-            raise ODBPeerError(
-                "gathering every rank's loader state for the checkpoint failed: "
-                "trainer.save_checkpoint must run on every rank"
-            ) from exc
-        return out
+        if last is None:
+            return self.loader.state_dict()
+        return self.loader.state_after(trained)
 
     def _on_batch_start(self, meta: StepMeta, trainer: pl.Trainer) -> None:
         loader = self.loader
@@ -635,7 +521,7 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
     return total
 
 
-class ODBTrainer(pl.Trainer):
+class ODBLightningTrainer(pl.Trainer):
     """`lightning.pytorch.Trainer` whose `estimated_stepping_batches` comes from the
     ODB loader's upper estimate (Lightning's reads len(), which would let it cut an
     epoch). Everything else is Lightning's."""
@@ -689,3 +575,8 @@ def lightning_loss(module: pl.LightningModule, loss: torch.Tensor) -> torch.Tens
     ):
         return loss * accumulate
     return loss
+
+
+__getattr__ = deprecated_names(
+    __name__, {"ODBTrainer": ("ODBLightningTrainer", ODBLightningTrainer)}
+)

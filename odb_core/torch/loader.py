@@ -31,6 +31,7 @@ pending carry as it was.
 from __future__ import annotations
 
 import array
+import collections
 import functools
 import json
 import logging
@@ -42,7 +43,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -77,8 +78,8 @@ from odb_core.resume import (
 )
 from odb_core.schedule import SampleProfile
 from odb_core.torch.length import EpochLength, shard_sizes
-from odb_core.torch.loss import scale_loss
 from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, TruncateFn, measure
+from odb_core.torch.meta import scaled_loss
 from odb_core.torch.pipeline import (
     Emitted,
     EpochPipeline,
@@ -97,6 +98,7 @@ from odb_core.torch.source import (
     identity,
 )
 from odb_core.torch.state import fingerprint, resume_target
+from odb_core.torch.trainer_checks import check_trainer_context
 from odb_core.torch.transport import (
     GlooTransport,
     LocalTransport,
@@ -426,11 +428,14 @@ class ODBDataLoader:
         self._next_window = 0  # the window a fresh protocol run would open next
         self._start: tuple[int, int, int] = (0, 0, 0)  # (step, emitted, window) of the run
         self._progress = ProgressTracker()
+        # What the last few yielded steps changed (see state_after).
+        self._history: collections.deque[_Yielded] = collections.deque(maxlen=4)
         self._reset_progress()
 
     # ---- DataLoader surface ------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        check_trainer_context(self)
         with self._lock:
             self._stop_pipeline()
             self._check_world()
@@ -656,10 +661,41 @@ class ODBDataLoader:
     # ---- step info -----------------------------------------------------------
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss * step_info.loss_scale` for the batch just yielded (see scale_loss)."""
+        """Deprecated: `odb_core.scaled_loss(loader.step_info, loss)`."""
+        warnings.warn(
+            "ODBDataLoader.scale_loss(loss) is deprecated: use "
+            "odb_core.scaled_loss(meta, loss) (meta = pop_step_meta(batch), or loader.step_info)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if self.step_info is None:
             raise ODBError("scale_loss() before the first batch of the epoch was yielded")
-        return scale_loss(loss, self.step_info)
+        return scaled_loss(self.step_info, loss)
+
+    # ---- facts for trainers ----------------------------------------------------
+
+    @property
+    def epoch_closed(self) -> bool:
+        """Whether the current epoch has closed: the batch just yielded was its last
+        (known as it is yielded, no lookahead), or the loaded state was saved at its end."""
+        return self._resume.closed if self._resume is not None else self._closed
+
+    def step_bound(self) -> int | None:
+        """A number of steps no epoch reaches (one step per sample of the dataset),
+        for a trainer loop that needs a per-epoch cap; None for an IterableDataset."""
+        source = self.sampler if self.sampler is not None else self.dataset
+        if self._iterable or not hasattr(source, "__len__"):
+            return None
+        n = len(source)
+        return n + 1 if self.partition else n * self.world_size + 1
+
+    def optimizer_steps(self, steps: int) -> int:
+        """The optimizer steps (windows) of an epoch of `steps` steps: ceil(steps / G)
+        with grad_accum_steps=G, `steps` with tokens_per_update (a window is at least
+        one step); e.g. `optimizer_steps(len(loader))` sizes a schedule."""
+        if self.config.tokens_per_update is not None:
+            return int(steps)
+        return math.ceil(int(steps) / (self.config.grad_accum_steps or 1))
 
     # ---- resumable state -----------------------------------------------------
 
@@ -676,19 +712,62 @@ class ODBDataLoader:
         the saved one, so the samples done are read again)."""
         if self._resume is not None:
             return self._resume.to_dict()
+        return self._state(
+            self._step,
+            self._emitted,
+            self._closed,
+            frozenset(self._done),
+            self._carry,
+            self._next_window,
+        )
+
+    def state_after(self, step: int | None) -> dict[str, Any]:
+        """`state_dict()` as of step `step` of the current pass, one of the last few
+        yielded (None: before the pass's first), for a trainer that prefetches
+        batches: a resume from it continues with step `step + 1`."""
+        history = list(self._history)
+        if step is None and history:
+            if self._yielded > len(history):
+                raise ODBError("state_after(None): the pass has yielded more steps than are kept")
+            step = history[0].step - 1
+        if not history or step is None or step >= history[-1].step:
+            if step is not None and history and step > history[-1].step:
+                raise ODBError(f"state_after({step}): step {history[-1].step} is the last yielded")
+            return self.state_dict()
+        later = [h for h in history if h.step > step]
+        if len(later) == len(history) and history[0].step != step + 1:
+            raise ODBError(
+                f"state_after({step}): only the last {len(history)} yielded steps are kept "
+                f"(from {history[0].step})"
+            )
+        undone = {i for h in later for i in h.ids}
+        h = later[0]
+        return self._state(
+            h.before_step, h.emitted, h.closed, frozenset(self._done - undone), h.carry, h.window
+        )
+
+    def _state(
+        self,
+        step: int,
+        emitted: int,
+        closed: bool,
+        done: frozenset[int],
+        carry: Ledgers,
+        window: int,
+    ) -> dict[str, Any]:
         start_step, start_emitted, start_window = self._start
         return EpochProgress(
             fingerprint=self._fingerprint,
             epoch=self.epoch,
-            step=self._step,
-            emitted=self._emitted,
-            closed=self._closed,
+            step=step,
+            emitted=emitted,
+            closed=closed,
             base_done=self._base_done,
             world_size=self.world_size,
             rank=self.rank,
-            done=frozenset(self._done),
-            carry=self._carry,
-            window=self._next_window,
+            done=done,
+            carry=carry,
+            window=window,
             start_step=start_step,
             start_emitted=start_emitted,
             start_window=start_window,
@@ -794,6 +873,8 @@ class ODBDataLoader:
             else (progress.start_step, progress.start_emitted, progress.start_window)
         )
         self._progress.reset(samples=self._emitted, updates=self._next_window, closed=self._closed)
+        self._history.clear()
+        self._yielded = 0  # steps yielded by this pass
 
     def _exact(self, progress: EpochProgress) -> bool:
         """Resume exactly (replay) rather than only exactly-once: deterministic mode
@@ -802,6 +883,18 @@ class ODBDataLoader:
 
     def _record(self, item: Emitted, serial: int) -> None:
         info = item.info
+        self._yielded += 1
+        self._history.append(
+            _Yielded(
+                info.step,
+                tuple(info.sample_ids),
+                self._step,
+                self._emitted,
+                self._closed,
+                self._next_window,
+                self._carry,
+            )
+        )
         self.step_info = info
         self._step = info.step + 1
         self._emitted += info.global_samples
@@ -975,6 +1068,18 @@ class ODBDataLoader:
             )
             return None
         return _pin
+
+
+class _Yielded(NamedTuple):
+    """A yielded step: its number and ids, and the loader's progress before it."""
+
+    step: int
+    ids: tuple[int, ...]
+    before_step: int
+    emitted: int
+    closed: bool
+    window: int
+    carry: Ledgers
 
 
 class _EpochIterator:

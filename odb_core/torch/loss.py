@@ -1,19 +1,22 @@
-"""Applying a step's loss scale to the loss."""
+"""Deprecated: `scale_loss(loss, info)` is `odb_core.scaled_loss(info, loss)`."""
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 
-from odb_core.protocol import StepInfo
+from odb_core.torch.meta import apply_scale
 
 
-def scale_loss(loss: torch.Tensor, info: StepInfo) -> torch.Tensor:
-    """`loss` (this rank's mean over its batch: per token with the default `tokens`
-    normalisation, per sample with `samples`) times `info.loss_scale`.
-
-    loss_scale = W * local / global, so after DDP/FSDP average the gradients over
-    the W ranks the update is exactly that of the global mean over every real
-    token (sample) of the step. A pad step has scale 0: its backward still runs,
-    so the gradient collectives line up, but it contributes nothing.
-    """
-    return loss * info.loss_scale
+def scale_loss(loss: torch.Tensor, info: Any) -> torch.Tensor:
+    """Deprecated alias of `scaled_loss(info, loss)` (arguments the other way round;
+    now with its pad-step rule: a step of scale 0 gives 0 even for a NaN loss)."""
+    warnings.warn(
+        "odb_core.scale_loss(loss, info) is deprecated: use odb_core.scaled_loss(info, loss) "
+        "(step metadata first)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return apply_scale(loss, float(info.loss_scale))

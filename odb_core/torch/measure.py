@@ -14,6 +14,7 @@ text token counts). `loss_tokens_fn(sample)` overrides it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -78,6 +79,7 @@ class LossTokens:
         self.fn = fn
         self.label_shift = label_shift
         self.ignore_index = ignore_index
+        self._looked = 0  # samples checked for labels already shifted
 
     def __call__(self, sample: object, sample_id: int) -> int | None:
         if self.fn is not None:
@@ -101,7 +103,49 @@ class LossTokens:
                     f"length {n_ids!r}; they must align token for token (pass "
                     "loss_tokens_fn= for another layout)"
                 )
+            if self.label_shift == 1 and self._looked < _SHIFT_LOOKS:
+                self._looked += 1
+                _warn_if_shifted(labels, sample[_FIELD], self.ignore_index, sample_id)
         return count_loss_tokens(labels, self.label_shift, self.ignore_index, sample_id)
+
+
+_SHIFT_LOOKS = 8  # samples per loader (per worker) checked for labels already shifted
+_shift_warned = False
+
+
+def _flat(value: object) -> list[object] | None:
+    tolist = getattr(value, "tolist", None)
+    out = tolist() if callable(tolist) else value
+    if isinstance(out, (list, tuple)) and len(out) == 1 and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    return list(out) if isinstance(out, (list, tuple)) else None
+
+
+def _warn_if_shifted(labels: object, input_ids: object, ignore_index: int, sample_id: int) -> None:
+    """Warn once when `labels` are visibly `input_ids` shifted by one (labels[t] ==
+    input_ids[t + 1] wherever a label counts) under label_shift=1: the loader would
+    not count the first label, one loss token per sample lost from the denominator."""
+    global _shift_warned
+    if _shift_warned:
+        return
+    lab, ids = _flat(labels), _flat(input_ids)
+    if lab is None or ids is None or len(lab) != len(ids):
+        return
+    kept = [t for t in range(len(lab) - 1) if lab[t] != ignore_index]
+    if len(kept) < 4 or lab[len(lab) - 1] != ignore_index:
+        return
+    shifted = all(lab[t] == ids[t + 1] for t in kept)
+    aligned = all(lab[t] == ids[t] for t in kept)
+    if shifted and not aligned:
+        _shift_warned = True
+        warnings.warn(
+            f"sample {sample_id}: labels look already shifted (labels[t] == input_ids[t + 1], "
+            "the last label masked) but the loader counts loss tokens with label_shift=1, "
+            "which drops the first label of every sample from the loss denominator: pass "
+            "label_shift=0 for labels shifted by your own code",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def count_loss_tokens(labels: object, shift: int, ignore_index: int, sample_id: int) -> int:

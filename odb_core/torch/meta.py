@@ -88,6 +88,16 @@ class StepMeta(NamedTuple):
             (self.window_samples, self.window_loss_tokens),
         )
 
+    @property
+    def loss_denominator(self) -> float:
+        """What to divide this rank's *summed* loss by (the sum of its token cross-
+        entropies, or of its samples' means) so that the ranks' average is the
+        window's global mean: window_loss_tokens / W (window_samples / W), at least
+        1 / W (a window without any is weighted 0 anyway; see `zero_if_unweighted`)."""
+        tokens = self.loss_normalization is LossNormalization.TOKENS
+        count = self.window_loss_tokens if tokens else self.window_samples
+        return max(1, count) / self.world_size
+
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([int(v) for v in self], dtype=torch.int64)
 
@@ -223,10 +233,23 @@ def scaled_loss(meta_or_batch: Any, loss: torch.Tensor) -> torch.Tensor:
     exactly that of the global mean over the window. A step with scale 0 (a pad,
     a batch without loss tokens, a window without any) gives 0 with the graph
     kept, even when its mean is NaN (a mean over no token)."""
-    scale = step_meta(meta_or_batch).loss_scale
+    return apply_scale(loss, step_meta(meta_or_batch).loss_scale)
+
+
+def apply_scale(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """`loss * scale`; for scale 0, 0 with the graph kept even for a NaN loss."""
     if scale == 0.0:
         return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
     return loss * scale
+
+
+def zero_if_unweighted(meta_or_batch: Any, loss: torch.Tensor) -> torch.Tensor:
+    """`loss` unchanged, or 0 with the graph kept (also for a NaN loss) on a step whose
+    loss scale is 0 (a pad, a batch without loss tokens): for a loss already divided
+    by `StepMeta.loss_denominator`, the pad-step rule of `scaled_loss`."""
+    if step_meta(meta_or_batch).loss_scale == 0.0:
+        return apply_scale(loss, 0.0)
+    return loss
 
 
 def causal_lm_loss(

@@ -1,0 +1,109 @@
+"""Every rank's loader state in one checkpoint entry, the one format all trainer
+adapters save (HF Trainer, Accelerate, Lightning):
+
+    {"format": "odb-loader-states", "version": 1, "world_size": W, "ranks": [state_0, ...]}
+
+`gather_states(loader)` builds it (a collective on a gloo group of its own: call it
+on every rank, in the same order); `load_states(loader, entry)` checks it and
+resumes the loader: this rank's own state at the same world size, every rank's
+merged at another. The entry comes from disk, so it is untrusted: its shape is
+checked here and every state by `load_state_dict` (schema, checksum, dataset and
+config, consistency, and across ranks at the first iteration) before anything
+is applied. The two formats the adapters wrote before (Accelerate's
+`odb-accelerate-loader`, Lightning's `odb-lightning-datamodule`) are read too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from odb_core.errors import ODBPeerError, ResumeStateError
+
+if TYPE_CHECKING:
+    from odb_core.torch.loader import ODBDataLoader
+
+STATES_FORMAT = "odb-loader-states"
+STATES_VERSION = 1
+#: Earlier adapter formats (version 1 each) and the key of their list of states.
+LEGACY_FORMATS = {"odb-accelerate-loader": "ranks", "odb-lightning-datamodule": "loader_states"}
+
+_groups: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def gather_states(loader: ODBDataLoader, local: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every rank's `local` state (default: `loader.state_dict()`; a trainer that
+    prefetches passes `loader.state_after(step in training)`) in the one checkpoint
+    format. A collective over the loader's ranks, on a gloo group of its own (the
+    protocol thread may be in a round on the loader's group)."""
+    state = dict(loader.state_dict() if local is None else local)
+    world = loader.world_size
+    states: list[Any] = [state]
+    if world > 1:
+        group = _groups.get(loader)
+        if group is None:
+            timeout = datetime.timedelta(seconds=float(loader.transport_timeout) or 300.0)
+            group = _groups[loader] = dist.new_group(backend="gloo", timeout=timeout)
+        states = [None] * world
+        try:
+            dist.all_gather_object(states, state, group=group)
+        except RuntimeError as exc:
+            raise ODBPeerError(
+                "gathering every rank's loader state for a checkpoint failed: the checkpoint "
+                "must be saved on every rank"
+            ) from exc
+    return {
+        "format": STATES_FORMAT,
+        "version": STATES_VERSION,
+        "world_size": world,
+        "ranks": states,
+    }
+
+
+def states_of(entry: Any) -> list[Mapping[str, Any]]:
+    """The per-rank states of a checkpoint entry, its shape checked
+    (`ResumeStateError` names what is wrong)."""
+    if not isinstance(entry, Mapping):
+        raise ResumeStateError(
+            f"an ODB loader checkpoint entry is a mapping in the {STATES_FORMAT!r} format, "
+            f"got {type(entry).__name__}"
+        )
+    fmt = entry.get("format")
+    key = "ranks" if fmt == STATES_FORMAT else LEGACY_FORMATS.get(str(fmt))
+    if key is None:
+        raise ResumeStateError(
+            f"checkpoint entry format {fmt!r} is not an ODB loader state format "
+            f"({STATES_FORMAT!r}, or the older {sorted(LEGACY_FORMATS)}): was it saved by "
+            "another object registered in the same position?"
+        )
+    if entry.get("version") != STATES_VERSION:
+        raise ResumeStateError(
+            f"{fmt!r} version {entry.get('version')!r}; this odb-core reads version "
+            f"{STATES_VERSION}"
+        )
+    states = entry.get(key)
+    if (
+        not isinstance(states, Sequence)
+        or isinstance(states, (str, bytes))
+        or not states
+        or not all(isinstance(s, Mapping) for s in states)
+    ):
+        raise ResumeStateError(f"{fmt!r}: {key!r} is not a non-empty list of loader states")
+    world = entry.get("world_size", len(states))
+    if world != len(states):
+        raise ResumeStateError(f"{fmt!r}: world_size={world!r} but {len(states)} rank states")
+    return list(states)
+
+
+def load_states(loader: ODBDataLoader, entry: Any) -> None:
+    """Resume `loader` from `gather_states`' entry: this rank's state at the same world
+    size, the merge of every rank's at another (checked before it is applied)."""
+    states = states_of(entry)
+    if len(states) == loader.world_size:
+        loader.load_state_dict(states[loader.rank])
+    else:
+        loader.load_state_dict(states)

@@ -1,0 +1,77 @@
+"""What `iter(ODBDataLoader)` checks of the trainer loop iterating it: the upgrade
+traps that would otherwise train silently wrong. Reads only modules the user has
+already imported (`sys.modules`); imports no trainer library."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+from odb_core.errors import ConfigError
+
+#: A class attribute the odb-core trainer adapters set on what they iterate the
+#: loader from (so the checks below know the loop is an adapter's).
+ADAPTER_FLAG = "_odb_adapter"
+
+
+def check_trainer_context(loader: Any) -> None:
+    """Raise or warn, naming the fix, when the loop iterating `loader` is a trainer's
+    that would re-decide what the loader decides."""
+    _check_accelerate_accumulation()
+    _check_plain_hf_trainer(loader)
+
+
+def _check_accelerate_accumulation() -> None:
+    """Accelerate's own accumulation (gradient_accumulation_steps=G > 1) divides every
+    loss by G and counts its own windows over the loader's window-normalised losses."""
+    state = sys.modules.get("accelerate.state")
+    gradient_state = getattr(state, "GradientState", None)
+    shared = getattr(gradient_state, "_shared_state", None)
+    if not shared or not getattr(state.AcceleratorState, "_shared_state", None):  # type: ignore[union-attr]
+        return  # no live Accelerator
+    steps = int(dict(shared).get("plugin_kwargs", {}).get("num_steps", 1) or 1)
+    if steps > 1:
+        raise ConfigError(
+            f"an ODBDataLoader iterated under Accelerator(gradient_accumulation_steps={steps}): "
+            f"accelerator.backward() divides every loss by {steps} and accelerator.accumulate() "
+            "counts its own windows, while the loader's loss scale already normalises over its "
+            "window (the gradients would be wrong). Use Accelerator(gradient_accumulation_steps=1)"
+            f", ODBDataLoader(grad_accum_steps={steps}) and train = odb_core.integrations."
+            "accelerate.prepare_odb_loader(accelerator, loader) (not accelerator.prepare(loader))"
+        )
+
+
+def _check_plain_hf_trainer(loader: Any) -> None:
+    """A plain `transformers.Trainer` sizes its epochs from len(loader), an estimate:
+    it cuts epochs (and stops short of max_steps)."""
+    trainer_mod = sys.modules.get("transformers.trainer")
+    trainer_cls = getattr(trainer_mod, "Trainer", None)
+    if trainer_cls is None or getattr(loader, "_plain_trainer_warned", False):
+        return
+    frame: Any = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, trainer_cls):
+            if getattr(type(owner), ADAPTER_FLAG, False):
+                return
+            loader._plain_trainer_warned = True
+            max_steps = getattr(getattr(owner, "args", None), "max_steps", -1)
+            cut = (
+                f"max_steps={max_steps} would stop early (each epoch cut at len(loader) // "
+                "gradient_accumulation_steps optimizer steps)"
+                if max_steps and max_steps > 0
+                else "epochs would be cut at len(loader)"
+            )
+            warnings.warn(
+                f"a plain {type(owner).__name__} (transformers.Trainer) is iterating an "
+                f"ODBDataLoader: it sizes its loop from len(loader), an estimate, so {cut}, "
+                "and it normalises the loss itself. Use odb_core.integrations.hf.ODBHFTrainer "
+                "(train_dataset=..., odb=ODBArguments(token_budget=...))",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        frame = frame.f_back
