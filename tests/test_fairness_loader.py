@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from guards import HANG_GUARD_S
 
 from odb_core.verify.fairness import long_tail
 
@@ -46,7 +47,7 @@ class Hub:
         with self.cv:
             self.rows.setdefault(key, {})[rank] = row
             self.cv.notify_all()
-            assert self.cv.wait_for(lambda: len(self.rows[key]) == self.world, timeout=60)
+            assert self.cv.wait_for(lambda: len(self.rows[key]) == self.world, timeout=HANG_GUARD_S)
             return [self.rows[key][r] for r in range(self.world)]
 
 
@@ -130,7 +131,7 @@ def test_issue_setting_every_id_within_one_pass_through_the_loader(world: int) -
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=300)
+        t.join(timeout=HANG_GUARD_S)
     assert all(len(res) == 8 for res in results), "a rank failed"
     counts: Counter[int] = Counter()
     for p in range(8):

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.torch
 
 N = 160
 LONG, SHORT = 48, 4  # tokens; the budget (64) holds one long sample

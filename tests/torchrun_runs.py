@@ -14,10 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from guards import HANG_GUARD_S
+
 from odb_core.torch.launch import free_port
 
 WORKER = str(Path(__file__).with_name("torchrun_worker.py"))
-HANG_GUARD_S = 240
 
 
 def start(
