@@ -90,7 +90,7 @@ def run_phase_b(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _launch(fn: str, world: int, spec: dict[str, Any], out: Path) -> list[list[list[Any]]]:
-    results = gloo_ranks.launch(f"{__name__}:{fn}", world, spec, out, 150)
+    results = gloo_ranks.launch(f"{__name__}:{fn}", world, spec, out)
     for r, res in enumerate(results):
         assert res is not None and res["ok"], f"rank {r}: {res}"
     return [res["steps"] for res in results if res is not None]
