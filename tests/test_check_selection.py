@@ -31,3 +31,12 @@ def test_all_models_or_a_named_model_runs_the_slow_ones() -> None:
     assert [m.name for m in models] == ["MCInductive_cross_join"] and skipped == []
     models, _ = select_models(MANIFEST, None, BugVariant.NO_PADS)
     assert [m.bug for m in models] == [BugVariant.NO_PADS.value]
+
+
+def test_the_report_names_the_models_left_out() -> None:
+    from odb_core.cli.check import format_manifest
+
+    out = {"engine": "tlc", "manifest": "m.json", "models": [], "skipped_slow": sorted(CROSS)}
+    text = format_manifest(out)
+    assert "--all-models runs them" in text and "MCInductive_cross_join" in text
+    assert "left out" not in format_manifest({**out, "skipped_slow": []})
