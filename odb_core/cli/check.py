@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--all-models",
         action="store_true",
-        help="with --engine tlc|both: also the slow manifest models (the cross-rank inductive "
+        help='with --engine tlc|both: also the slow manifest models ("slow": true: inductive '
         "checks, minutes each; left out by default so a check takes about a minute)",
     )
     p.add_argument(
