@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck unit bench mutants clean
+.PHONY: demo check test lint typecheck unit fast bench mutants clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy odb_core
 
+# The fast tier (tests/conftest.py, README "Tests"): the pure and in-process tests,
+# no TLC, no ranks or examples as processes; `make check` adds lint and types
+# (under 2 minutes on 2 cores). `make test` still runs every test.
+FAST := not tlc and not procs and not slow
+fast: $(STAMP)
+	$(VENV)/bin/pytest -m "$(FAST)"
+
+check: lint typecheck fast
+
+# Every test, TLC and the torchrun examples included.
 # Includes the fixed mutation regression (tests/test_oracle_overshoot.py,
 # tests/test_core_edges.py; docs/VERIFICATION.md); `make mutants` is the full run.
 unit: $(STAMP)

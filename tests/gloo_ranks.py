@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+from guards import HANG_GUARD_S
 
 from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources
 
@@ -49,7 +50,7 @@ def launch(
     world: int,
     spec: dict[str, Any],
     out: Path,
-    timeout: float = 120,
+    timeout: float = HANG_GUARD_S,
     hung: Collection[int] = (),
 ) -> list[dict[str, Any] | None]:
     """`hung`: ranks a test makes hang on purpose; only the others are waited for

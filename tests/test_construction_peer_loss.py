@@ -42,7 +42,7 @@ def construct(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("lost", [0, 1])
 def test_a_peer_lost_during_construction_is_named(tmp_path: Path, lost: int) -> None:
     spec = {"lost": lost, "after": 0.0, "timeout": 6.0}
-    res = gloo_ranks.launch(f"{__name__}:construct", 2, spec, tmp_path, timeout=60)
+    res = gloo_ranks.launch(f"{__name__}:construct", 2, spec, tmp_path)
     got = res[1 - lost]
     assert got is not None and got["ok"], got
     assert got["raised"] == "ODBPeerError", got

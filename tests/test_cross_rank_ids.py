@@ -25,7 +25,7 @@ from odb_core.errors import ODBError  # noqa: E402
 from odb_core.identity import check_unique, find_repeats  # noqa: E402
 from odb_core.idset import decode  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.torch]
 
 
 def test_find_repeats_names_every_repeated_id_and_its_ranks() -> None:
@@ -138,7 +138,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     from gloo_ranks import launch, ok
 
     out = tmp_path_factory.mktemp("ids")
-    return ok(launch("test_cross_rank_ids:run_id_cases", 2, {}, out, timeout=100))
+    return ok(launch("test_cross_rank_ids:run_id_cases", 2, {}, out))
 
 
 @pytest.mark.parametrize(

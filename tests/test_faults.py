@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from guards import HANG_GUARD_S
 
 torch = pytest.importorskip("torch")
 
@@ -28,7 +29,7 @@ from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 from odb_core import ODBDataLoader  # noqa: E402
 from odb_core.bench.launch import free_port, init_local_gloo  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.torch]
 
 HUNG_TIMEOUT = 3.0  # peer_timeout where a hang is the fault
 LONG_TIMEOUT = 30.0  # elsewhere: an error well before it cannot be the timeout
@@ -208,7 +209,7 @@ def launch(
     procs = [ctx.Process(target=_rank_entry, args=(r, port, fn, spec, str(out))) for r in range(2)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + HANG_GUARD_S
     for r in wait_for:
         while not (out / f"rank{r}.json").exists() and time.monotonic() < deadline:
             time.sleep(0.05)

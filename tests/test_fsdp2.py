@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from guards import HANG_GUARD_S
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -48,7 +49,7 @@ from sft_support import COLLATES, ChatSFT, Reference, rel_l2, tiny_llama  # noqa
 
 from odb_core.bench.launch import free_port, release_child_resources  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 WORLD = 2
 TOL = 1e-6
@@ -288,7 +289,13 @@ def test_fsdp2_example_runs_under_torchrun(tmp_path: Path) -> None:
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path, check=False
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        env=env,
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = (

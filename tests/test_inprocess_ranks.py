@@ -21,7 +21,7 @@ from odb_core.torch.pipeline import EpochPipeline  # noqa: E402
 from odb_core.verify.tlc.trace_check import validate_trace_tlc  # noqa: E402
 from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.torch
 
 
 class Chat(Dataset[dict[str, Any]]):

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from guards import HANG_GUARD_S
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -58,7 +59,7 @@ from sft_support import (  # noqa: E402
 from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.errors import ConfigError  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 WORLD = 2
 TOL = 1e-6
@@ -601,7 +602,7 @@ def test_import_odb_core_does_not_import_accelerate() -> None:
     import sys
 
     code = "import sys, odb_core, odb_core.integrations; assert 'accelerate' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=HANG_GUARD_S)
 
 
 def test_accelerate_example_runs_under_torchrun(tmp_path: Path) -> None:
@@ -624,7 +625,13 @@ def test_accelerate_example_runs_under_torchrun(tmp_path: Path) -> None:
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path, check=False
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        env=env,
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = (

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from guards import HANG_GUARD_S
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -68,7 +69,7 @@ pytestmark = [pytest.mark.torch]
 
 def distributed(test: Any) -> Any:
     """A test that reads the 2-rank launch (one launch for all, 15-25 s on 2 cores)."""
-    return pytest.mark.slow(pytest.mark.timeout(300)(test))
+    return pytest.mark.slow(test)
 
 
 WORLD = 2
@@ -631,7 +632,13 @@ def _example(tmp_path: Path, *extra: str) -> str:
     cmd += [str(example), "--samples", "120", "--output-dir", str(tmp_path / "out"), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path, check=False
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        env=env,
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from guards import HANG_GUARD_S
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -75,7 +76,7 @@ from odb_core.integrations.lightning import (  # noqa: E402
 from odb_core.schedule import Schedule  # noqa: E402
 from odb_core.torch import ProgressLR, causal_lm_loss, pop_step_meta, scaled_loss  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 WORLD = 2
 TOL = 1e-6
@@ -771,7 +772,13 @@ def test_lightning_sft_example_runs(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path, check=False
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        env=env,
+        cwd=tmp_path,
+        check=False,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

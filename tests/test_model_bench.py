@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from guards import HANG_GUARD_S
 
 pytest.importorskip("transformers")
 
@@ -30,7 +31,7 @@ ROW_KEYS = {
 def test_tiny_run_json(tmp_path: object) -> None:
     strategies = "standard,grouped,gmt,odb-padded,odb-packed"
     cmd = [*ODB, "bench", *TINY, "--json", "--strategies", strategies]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout)
     assert r["ok"] is True
@@ -133,7 +134,7 @@ def test_quality_smoke_ratios_follow_the_curves() -> None:
     strategies = "standard,grouped,odb-padded,odb-sqrt-lr,odb-parity"
     cmd = [*ODB, "bench", *TINY, "--quality", "--epochs", "2", "--regime", "finetune",
            "--pretrain-samples", "16", "--strategies", strategies, "--json"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout)
     assert r["ok"] is True

@@ -58,7 +58,7 @@ from odb_core.torch.source import Record  # noqa: E402
 from odb_core.torch.transport import Gathering, LocalTransport  # noqa: E402
 from odb_core.verify.trace import ProtocolTrace, TracingRankMachine  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.torch
 
 
 # ---- helpers ------------------------------------------------------------------------------

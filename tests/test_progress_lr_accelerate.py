@@ -26,7 +26,7 @@ from odb_core.bench.launch import free_port  # noqa: E402
 from odb_core.schedule import Schedule, TokenScaling  # noqa: E402
 from odb_core.torch import ProgressLR, pop_step_meta, scaled_loss  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.torch
 
 PEAK = 1e-3
 EPOCHS = 2

@@ -29,7 +29,7 @@ from odb_core.torch.measure import LossTokens  # noqa: E402
 from odb_core.torch.pipeline import EpochPipeline, EpochSetup, _End  # noqa: E402
 from odb_core.torch.transport import LocalTransport  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.torch
 
 N, QUOTA = 48, 30
 

@@ -35,7 +35,7 @@ from odb_core.errors import ODBError  # noqa: E402
 from odb_core.idset import decode, encode, ranges_of  # noqa: E402
 from odb_core.resume import STATE_VERSION, seal  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.torch
 
 N = 60
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from guards import HANG_GUARD_S
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -64,7 +65,7 @@ from odb_core import ODBDataLoader  # noqa: E402
 from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.torch import causal_lm_loss, pop_step_meta, scaled_loss  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 WORLD = 2
 TOL = 1e-6  # relative L2 of the DDP gradient against the single-process reference
@@ -514,7 +515,13 @@ def test_train_sft_example_runs_under_torchrun(tmp_path: Path) -> None:
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path, check=False
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        env=env,
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = (

@@ -19,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from guards import TLC_HANG_GUARD_S
 
 from odb_core.cli import main
 from odb_core.config import Mode, ProtocolConfig
@@ -49,7 +50,7 @@ def manifest_results() -> dict[str, tlc.TLCResult]:
     keep = Path(tempfile.mkdtemp(prefix="odb-tlc-tests-"))
     atexit.register(shutil.rmtree, keep, True)
     parallel = int(os.environ.get("ODB_TLC_PARALLEL", "2"))  # 1 on a shared machine
-    return tlc.run_manifest(MANIFEST, parallel=parallel, keep_dir=keep, timeout=300)
+    return tlc.run_manifest(MANIFEST, parallel=parallel, keep_dir=keep, timeout=TLC_HANG_GUARD_S)
 
 
 # ---- no Java needed ---------------------------------------------------------

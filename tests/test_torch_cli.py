@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from guards import HANG_GUARD_S
 
 from odb_core.bench.launch import free_port
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.torch
 
 ROOT = Path(__file__).resolve().parents[1]
 ODB = [sys.executable, "-c", "import sys; from odb_core.cli import main; sys.exit(main())"]
@@ -39,7 +40,9 @@ def test_torchrun_example_trains_on_two_ranks() -> None:
         "1",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    out = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "epoch 1:" in out.stdout and "300 samples (dataset 300)" in out.stdout
     assert "done on 2 ranks" in out.stdout
@@ -48,7 +51,7 @@ def test_torchrun_example_trains_on_two_ranks() -> None:
 def test_odb_bench_json_reports_one_object() -> None:
     cmd = [*ODB, "bench", "--json", "--samples", "400"]
     cmd += ["--repeats", "1", "--workers", "1"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
     assert result["ok"] is True
@@ -59,5 +62,5 @@ def test_odb_bench_json_reports_one_object() -> None:
 
 def test_odb_bench_rejects_bad_arguments() -> None:
     cmd = [*ODB, "bench", "--ranks", "0"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 2 and "'0' must be >= 1" in out.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from guards import HANG_GUARD_S
 
 torch = pytest.importorskip("torch")
 
@@ -26,7 +27,7 @@ from odb_core import ODBDataLoader, StepMeta, step_meta  # noqa: E402
 from odb_core.verify.tlc import validate_trace_tlc  # noqa: E402
 from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.torch
 
 
 # ---- what runs inside a rank ---------------------------------------------------------
@@ -261,7 +262,7 @@ def run_epoch_disagreement(rank: int, world: int, spec: dict[str, Any]) -> dict[
 
 
 def launch(
-    fn: str, world: int, spec: dict[str, Any], out: Path, timeout: float = 120
+    fn: str, world: int, spec: dict[str, Any], out: Path, timeout: float = HANG_GUARD_S
 ) -> list[dict[str, Any] | None]:
     """Run `fn` of this module on `world` gloo ranks; a rank named in the spec's
     "hang" map hangs on purpose and is not waited for."""
@@ -468,7 +469,7 @@ def test_quota_mode_carries_every_unemitted_id_into_the_next_epoch(
 def test_ranks_with_different_sample_orders_fail_loudly(tmp_path: Path) -> None:
     orders = [list(range(40)), list(reversed(range(40)))]
     spec = {"n": 40, "orders": orders, "loader": {"num_workers": 0}}
-    for res in launch("run_until_failure", 2, spec, tmp_path, timeout=60):
+    for res in launch("run_until_failure", 2, spec, tmp_path):
         assert res is not None and res["ok"], res
         assert res["raised"] == "ODBPeerError" and res["steps"] == 0, res
 
@@ -476,7 +477,7 @@ def test_ranks_with_different_sample_orders_fail_loudly(tmp_path: Path) -> None:
 def test_killed_peer_raises_on_every_survivor(tmp_path: Path) -> None:
     timeout = 5
     spec = {"n": 300, "die": {"2": 2}, "loader": {"num_workers": 0, "peer_timeout": timeout}}
-    results = launch("run_until_failure", 3, spec, tmp_path, timeout=60)
+    results = launch("run_until_failure", 3, spec, tmp_path)
     assert results[2] is None  # the killed rank
     for rank in (0, 1):
         res = results[rank]
@@ -489,7 +490,7 @@ def test_hung_peer_raises_within_peer_timeout(tmp_path: Path) -> None:
     timeout = 3
     loader_kw = {"num_workers": 0, "peer_timeout": timeout, "prefetch_thread": False}
     spec = {"n": 300, "hang": {"1": 2}, "loader": loader_kw}
-    results = launch("run_until_failure", 2, spec, tmp_path, timeout=60)
+    results = launch("run_until_failure", 2, spec, tmp_path)
     res = results[0]
     assert res is not None and res["ok"], res
     assert res["raised"] == "ODBPeerError", res
@@ -577,6 +578,6 @@ def test_two_ranks_exact_deterministic_resume(tmp_path: Path) -> None:
 def test_ranks_in_different_epochs_fail_loudly(tmp_path: Path) -> None:
     # Unshuffled, both epochs have the same order: only the epoch in the tag differs.
     spec = {"n": 40, "loader": {"num_workers": 0, "peer_timeout": 20}}
-    for res in launch("run_epoch_disagreement", 2, spec, tmp_path, timeout=90):
+    for res in launch("run_epoch_disagreement", 2, spec, tmp_path):
         assert res is not None and res["ok"], res
         assert res["raised"] == "ODBPeerError" and "order digest" in res["message"], res

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.torch
 
 N = 160
 LONG, SHORT = 48, 4  # tokens; the budget (64) holds one long sample
@@ -90,7 +90,7 @@ def run_phase_b(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _launch(fn: str, world: int, spec: dict[str, Any], out: Path) -> list[list[list[Any]]]:
-    results = gloo_ranks.launch(f"{__name__}:{fn}", world, spec, out, 150)
+    results = gloo_ranks.launch(f"{__name__}:{fn}", world, spec, out)
     for r, res in enumerate(results):
         assert res is not None and res["ok"], f"rank {r}: {res}"
     return [res["steps"] for res in results if res is not None]

@@ -41,7 +41,7 @@ from odb_core.errors import EpochFinishedError  # noqa: E402
 from odb_core.idset import decode  # noqa: E402
 from odb_core.protocol import StepInfo  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.torch
 
 
 class Text(Dataset[dict[str, Any]]):

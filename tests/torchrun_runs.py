@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from guards import HANG_GUARD_S
 
 from odb_core.bench.launch import free_port
 
 WORKER = str(Path(__file__).with_name("torchrun_worker.py"))
-HANG_GUARD_S = 240
 
 
 def start(

@@ -58,6 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="with --engine tlc|both: only this manifest model (repeatable)",
     )
     p.add_argument(
+        "--all-models",
+        action="store_true",
+        help='with --engine tlc|both: also the slow manifest models ("slow": true: inductive '
+        "checks, minutes each; left out by default so a check takes about a minute)",
+    )
+    p.add_argument(
         "--adhoc",
         action="store_true",
         help="with --engine tlc|both: check the configuration given by the options below "
@@ -73,7 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--workers", type=positive_int, default=1, help="TLC workers per model run")
     p.add_argument("--parallel", type=positive_int, default=2, help="TLC runs at once (default 2)")
     p.add_argument(
-        "--timeout", type=positive_int, default=600, help="seconds per TLC run (default 600)"
+        "--timeout",
+        type=positive_int,
+        default=3600,
+        help="hang guard: seconds per TLC run (default 3600; the models are finite)",
     )
     p.add_argument("--ranks", type=positive_int, default=3, help="world size W (default 3)")
     p.add_argument("--samples", type=positive_int, default=6, help="samples N (default 6)")
@@ -232,21 +241,37 @@ def _python_agrees(py: dict[str, Any] | None) -> bool:
 def run_manifest(args: argparse.Namespace, engine: str) -> int:
     start = time.perf_counter()
     models = tlc.load_manifest()
-    if args.model:
-        known = {m.name for m in models}
-        unknown = sorted(set(args.model) - known)
-        if unknown:
-            raise ValueError(f"no manifest model {unknown}; known: {sorted(known)}")
-        models = [m for m in models if m.name in args.model]
-    if args.bug is not None:
-        models = [m for m in models if m.bug == args.bug.value]
+    models, skipped = select_models(models, args.model, args.bug, all_models=args.all_models)
     out = check_manifest(models, engine=engine, parallel=args.parallel, timeout=args.timeout)
+    out["skipped_slow"] = skipped
     out["elapsed_s"] = round(time.perf_counter() - start, 1)
     if args.json:
         print(json.dumps(out))
     else:
         print(format_manifest(out))
     return 0 if out["ok"] else 1
+
+
+def select_models(
+    models: list[tlc.ManifestModel],
+    names: list[str] | None,
+    bug: BugVariant | None,
+    *,
+    all_models: bool = False,
+) -> tuple[list[tlc.ManifestModel], list[str]]:
+    """The models `odb check` runs, and the slow ones it leaves out: a model named
+    with --model always runs; otherwise slow models only with --all-models."""
+    if names:
+        known = {m.name for m in models}
+        unknown = sorted(set(names) - known)
+        if unknown:
+            raise ValueError(f"no manifest model {unknown}; known: {sorted(known)}")
+        models = [m for m in models if m.name in names]
+    if bug is not None:
+        models = [m for m in models if m.bug == bug.value]
+    if names or all_models:
+        return models, []
+    return [m for m in models if not m.slow], [m.name for m in models if m.slow]
 
 
 def check_manifest(
@@ -358,6 +383,11 @@ def format_manifest(out: dict[str, Any]) -> str:
             f"model's); python agrees: {str(out['python_agrees']).lower()}"
         )
     lines.append(summary)
+    if out.get("skipped_slow"):
+        lines.append(
+            f"  left out (slow, minutes each; --all-models runs them): "
+            f"{', '.join(out['skipped_slow'])}"
+        )
     if "elapsed_s" in out:
         lines.append(f"  elapsed {out['elapsed_s']}s")
     return "\n".join(lines)

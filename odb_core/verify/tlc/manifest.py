@@ -42,6 +42,9 @@ class ManifestModel:
     expect: dict[str, Any]
     about: str
     generated: bool = True  # False: hand-written MC files (the inductive checks)
+    # Minutes, not seconds, under TLC: `odb check` leaves it out unless --all-models
+    # or --model names it; tests/test_tlc.py checks it like every other model.
+    slow: bool = False
     loss: tuple[int, ...] | None = None  # per-sample loss tokens; None: all tokens count
     grad_accum_steps: int | None = None
     tokens_per_update: int | None = None
@@ -76,6 +79,7 @@ class ManifestModel:
             expect=dict(d["expect"]),
             about=str(d.get("about", "")),
             generated=bool(d.get("generated", True)),
+            slow=bool(d.get("slow", False)),
             loss=None if m.get("loss") is None else tuple(int(x) for x in m["loss"]),
             grad_accum_steps=m.get("grad_accum_steps"),
             tokens_per_update=m.get("tokens_per_update"),
