@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guards import HANG_GUARD_S
+from guards import run_script
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -287,16 +286,7 @@ def test_fsdp2_example_runs_under_torchrun(tmp_path: Path) -> None:
         str(example),
         *("--samples", "96", "--epochs", "2", "--token-budget", "768"),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-    )
+    proc = run_script(cmd, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = (
         r"epoch (\d): (\d+) aligned steps, (\d+) optimizer updates, (\d+) samples "

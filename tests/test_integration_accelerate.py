@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guards import HANG_GUARD_S
+from guards import HANG_GUARD_S, run_script
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -608,7 +608,6 @@ def test_import_odb_core_does_not_import_accelerate() -> None:
 def test_accelerate_example_runs_under_torchrun(tmp_path: Path) -> None:
     """`torchrun --nproc_per_node 2 examples/accelerate_sft.py`, small, with a save."""
     import re
-    import subprocess
     import sys
 
     example = Path(__file__).resolve().parents[1] / "examples" / "accelerate_sft.py"
@@ -623,16 +622,7 @@ def test_accelerate_example_runs_under_torchrun(tmp_path: Path) -> None:
         *("--samples", "96", "--epochs", "2", "--token-budget", "1024"),
         *("--ckpt", str(tmp_path / "ckpt"), "--save-at-update", "2"),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-    )
+    proc = run_script(cmd, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = (
         r"epoch (\d): (\d+) aligned steps, (\d+) optimizer updates, (\d+) samples .*loss ([\d.]+)"

@@ -38,7 +38,6 @@ import itertools
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guards import HANG_GUARD_S
+from guards import run_script
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -630,16 +629,7 @@ def _example(tmp_path: Path, *extra: str) -> str:
     example = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer_sft.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += [str(example), "--samples", "120", "--output-dir", str(tmp_path / "out"), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-    )
+    proc = run_script(cmd, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

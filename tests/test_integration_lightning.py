@@ -30,7 +30,6 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guards import HANG_GUARD_S
+from guards import run_script
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -770,16 +769,7 @@ def test_lightning_sft_example_runs(tmp_path: Path) -> None:
     cmd = [sys.executable, str(example), "--samples", "120", "--epochs", "2"]
     cmd += ["--out", str(tmp_path / "run")]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-    )
+    proc = run_script(cmd, tmp_path, env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     line = (

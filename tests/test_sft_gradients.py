@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -44,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guards import HANG_GUARD_S
+from guards import run_script
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -513,16 +512,7 @@ def test_train_sft_example_runs_under_torchrun(tmp_path: Path) -> None:
         str(example),
         *("--samples", "120", "--epochs", "2", "--workers", "0", "--token-budget", "1024"),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-    )
+    proc = run_script(cmd, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = (
         r"epoch (\d): (\d+) aligned steps, (\d+) optimizer updates, (\d+) samples .*loss ([\d.]+)"
