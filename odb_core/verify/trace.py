@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +269,9 @@ def trace_model(trace: ProtocolTrace) -> tuple[ModelConfig, dict[int, int]]:
         tuple(s._replace(id=id_map[s.id]) for s in (*shard, *extra))
         for shard, extra in zip(observed, unread, strict=True)
     )
+    if protocol.carried:  # carried ids are named like the samples: renumber them too
+        carried = frozenset(id_map[i] for i in protocol.carried if i in id_map)
+        protocol = replace(protocol, carried=carried)
     return ModelConfig(protocol, shards), id_map
 
 
