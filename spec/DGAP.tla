@@ -23,6 +23,11 @@
 (* (odb_core/verify/conformance.py), and recorded runs are replayed through it *)
 (* (Trace modules built by odb_core/verify/tlc/).                         *)
 (*                                                                         *)
+(* Dynamic sharding (Dynamic = TRUE, odb_core/assign.py): no rank owns a   *)
+(* shard; each starts with an initial share of the Plan and every round's  *)
+(* Deal, computed by every rank from the same gathered vectors, says how   *)
+(* many of the next plan ids each rank loads (proofs/dynamic_sharding.md). *)
+(*                                                                         *)
 (* A batch is the set of its sample ids: the order inside a batch and its  *)
 (* oversize flag are functions of that set.  Oversized samples follow the  *)
 (* `solo` policy (a batch of its own); with every sample within budget,    *)
@@ -47,6 +52,10 @@ CONSTANTS
     Deterministic,  \* TRUE: a source yields its samples in id order
     AccumSteps,     \* steps per optimizer window (grad_accum_steps; 1 when unset)
     TokensPerUpdate,\* close a window at TokensPerUpdate global loss tokens; 0 = by steps
+    Dynamic,        \* TRUE: dynamic sharding (Sharding.DYNAMIC): ranks are dealt the Plan
+    Plan,           \* the epoch's plan, a sequence of all ids (<<>> with static sharding)
+    Target,         \* dynamic sharding: samples a rank is topped up to per round
+    Carried,        \* quota mode: ids this pass took over from the last one's ledger
     NoValue         \* model value: no contribution / empty inbox
 
 Ranks == 0 .. W - 1
@@ -70,6 +79,12 @@ ASSUME
     /\ Mode \in {"join", "quota"}
     /\ Mode = "join" => Quota = 0
     /\ Deterministic \in BOOLEAN
+    /\ Dynamic \in BOOLEAN /\ Target \in Nat
+    /\ Plan \in Seq(Ids)
+    /\ Dynamic => /\ Target > 0 /\ Len(Plan) = Cardinality(Ids)
+                  /\ {Plan[p] : p \in DOMAIN Plan} = Ids
+    /\ ~Dynamic => Plan = <<>>
+    /\ Carried \subseteq Ids /\ (Mode = "join" => Carried = {})
 
 VARIABLES
     phase,          \* per rank: "filling" | "waiting" | "done"
@@ -84,7 +99,10 @@ VARIABLES
     window_loss,    \* per rank: global loss tokens of the open optimizer window so far
     window_local,   \* per rank: its own loss tokens in the open window so far
     windows,        \* per rank: closed windows, a sequence of [end, loss, local]
-    pending,        \* per rank: ids its source has not yielded yet
+    pending,        \* per rank: ids its source has not yielded yet (dynamic sharding:
+                    \* the ids dealt to it and not yet observed, RankSnapshot.queue)
+    cursor,         \* per rank: plan positions dealt so far (dynamic sharding; else 0)
+    formed,         \* per rank: a starved rank formed its window since it last changed
     inbox,          \* per rank: the gathered round it has not consumed, or NoValue
     delivered,      \* per id: how many times it was emitted in a real batch
     ledger,         \* ids carried to the next epoch by a quota-mode close
@@ -93,7 +111,7 @@ VARIABLES
                     \* step it ran, as it decided them from the gathered vectors
 
 rankVars == <<phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution,
-             window_loss, window_local, windows>>
+             window_loss, window_local, windows, cursor, formed>>
 vars == <<rankVars, pending, inbox, delivered, ledger, step_batches, step_counts>>
 
 -----------------------------------------------------------------------------
@@ -108,6 +126,7 @@ SumSeq(s) == SumOver(DOMAIN s, s)
 MinOf(S) == CHOOSE x \in S : \A y \in S : x <= y
 MaxOf(S) == CHOOSE x \in S : \A y \in S : y <= x
 Min2(a, b) == IF a <= b THEN a ELSE b
+Max2(a, b) == IF a >= b THEN a ELSE b
 
 -----------------------------------------------------------------------------
 (* Cost models and the sort-window greedy former (formers.py).             *)
@@ -156,17 +175,115 @@ Split(g, flush) ==
 \* once; it re-evaluates LET definitions under ENABLED, i.e. for fairness.)
 FormResult(S, flush) == Split(Greedy(LongestFirst(S), {}, <<>>), flush)
 
+\* A batch of one sample that does not fit alone (Batch.oversize).
+Oversized(B) == Cardinality(B) = 1 /\ ~Fits(B)
+
+\* First fit of the fresh samples (longest first) into the carried batches.
+RECURSIVE TopUp(_, _, _)
+TopUp(bins, seq, rest) ==
+    IF seq = <<>> THEN [bins |-> bins, rest |-> rest]
+    ELSE LET s == Head(seq)
+             fit == {j \in DOMAIN bins : ~Oversized(bins[j]) /\ Fits(bins[j] \cup {s})}
+         IN IF fit = {} THEN TopUp(bins, Tail(seq), rest \cup {s})
+            ELSE TopUp([bins EXCEPT ![MinOf(fit)] = @ \cup {s}], Tail(seq), rest)
+
+AfterTopUp(f, flush) ==
+    IF f.rest = {} THEN [batches |-> f.bins, leftovers |-> {}]
+    ELSE LET tail == FormResult(f.rest, flush)
+         IN [batches |-> f.bins \o tail.batches, leftovers |-> tail.leftovers]
+
+\* formers.carried_first: once fresh samples share the window with carried
+\* ones, the carried samples are formed first (alone, flushed), the fresh ones
+\* top up those batches where they fit, and the rest is formed as usual; so
+\* every batch holding a carried id precedes every batch without one
+\* (proofs/cross_epoch_fairness.md).  Without a carried id: FormResult.
+CarriedFirst(S, flush) ==
+    IF S \cap Carried = {} \/ S \subseteq Carried THEN FormResult(S, flush)
+    ELSE AfterTopUp(TopUp(FormResult(S \cap Carried, TRUE).batches,
+                          LongestFirst(S \ Carried), {}), flush)
+
+-----------------------------------------------------------------------------
+(* Dynamic sharding (odb_core/assign.py, proofs/dynamic_sharding.md).       *)
+(* Plan positions are 0-based as in Python: position p is Plan[p + 1].     *)
+
+\* The ids at plan positions [a, b).
+PlanIds(a, b) == {Plan[p] : p \in a + 1 .. b}
+\* Plan position of id i.
+Pos(i) == CHOOSE p \in 0 .. Len(Plan) - 1 : Plan[p + 1] = i
+\* The first id of S in plan order (dynamic deterministic mode reads in plan order).
+PlanFirst(S) == CHOOSE i \in S : \A j \in S : Pos(i) <= Pos(j)
+
+\* assign.initial_share / initial_slice / initial_cursor
+InitialShare == Max2(1, Min2(Target, Len(Plan) \div (2 * W)))
+InitialSlice(r) ==
+    PlanIds(Min2(r * InitialShare, Len(Plan)), Min2((r + 1) * InitialShare, Len(Plan)))
+InitialCursor == IF Dynamic THEN Min2(W * InitialShare, Len(Plan)) ELSE 0
+
+\* RankMachine.starved: nothing dealt is left unread, but the plan is not dealt out.
+Starved(r) == Dynamic /\ pending[r] = {} /\ cursor[r] < Len(Plan)
+
+\* The ranks lowest first by estimate, ties to the lower rank (a heap of (est, r)).
+RECURSIVE DealLoop(_, _, _, _)
+DealLoop(out, est, unit, n) ==
+    IF n = 0 THEN out
+    ELSE LET r == CHOOSE r \in Ranks :
+                    \A q \in Ranks : est[r] < est[q] \/ (est[r] = est[q] /\ r <= q)
+         IN DealLoop([out EXCEPT ![r] = @ + 1], [est EXCEPT ![r] = @ + unit], unit, n - 1)
+
+\* assign.deal: how many of the next plan ids each rank loads, from the gathered
+\* vectors g, the round's k steps and the planLeft ids not dealt yet.  A rank
+\* that offered nothing and is not final gets one first; then the ranks lack
+\* Target - count each, dealt one at a time to the least estimated held work
+\* (its known costs plus its unread ids priced at the gathered mean cost).
+Deal(g, k, planLeft) ==
+    LET Later(r) == Min2(k, g[r].offered) + 1 .. g[r].offered
+        HeldN(r) == g[r].held + SumOver(Later(r), g[r].samples)
+        Count(r) == HeldN(r) + g[r].unread
+        Work(r) == g[r].held_work + SumOver(Later(r), g[r].tokens)
+        Hungry(r) == g[r].offered = 0 /\ ~g[r].final
+        out0 == [r \in Ranks |->
+                    IF Hungry(r) /\ Cardinality({q \in 0 .. r - 1 : Hungry(q)}) < planLeft
+                    THEN 1 ELSE 0]
+        left == planLeft - SumOver(Ranks, out0)
+        want == SumOver(Ranks, [r \in Ranks |-> Max2(0, Target - Count(r) - out0[r])])
+        hn == SumOver(Ranks, [r \in Ranks |-> HeldN(r)])
+        hw == SumOver(Ranks, [r \in Ranks |-> Work(r)])
+        plain == hn = 0 \/ hw = 0
+    IN IF Min2(left, want) <= 0 THEN out0
+       ELSE DealLoop(out0,
+                     [r \in Ranks |-> IF plain THEN Count(r) + out0[r]
+                                      ELSE Work(r) * hn + (g[r].unread + out0[r]) * hw],
+                     IF plain THEN 1 ELSE hw, Min2(left, want))
+
+\* What rank r loads of deal a: its slice follows the lower ranks' slices.
+SliceStart(r, a) == cursor[r] + SumOver({q \in Ranks : q < r}, a)
+NoDeal == [r \in Ranks |-> 0]
+\* The deal rank r reads from the gathered round d was decided on (none when
+\* static or when the round closes the epoch).
+DealOf(r, d) == IF Dynamic /\ ~d.done THEN Deal(inbox[r], d.steps, Len(Plan) - cursor[r])
+                ELSE NoDeal
+
 -----------------------------------------------------------------------------
 (* The collective: what each rank offers and what every rank decides.      *)
 
-\* protocol.RankMachine._make_contribution
+\* protocol.RankMachine._make_contribution; dynamic sharding adds what the rank
+\* holds beyond the offered batches: unread dealt ids, held samples and their cost.
 Offer(r) ==
     LET n == Min2(Len(ready[r]), M)
+        later == n + 1 .. Len(ready[r])
     IN [offered |-> n,
         final   |-> exhausted[r] /\ buffer[r] = {} /\ Len(ready[r]) <= M,
         samples |-> [t \in 1 .. n |-> Cardinality(ready[r][t])],
         tokens  |-> [t \in 1 .. n |-> Tokens(ready[r][t])],
-        loss_tokens |-> [t \in 1 .. n |-> LossTokens(ready[r][t])]]
+        loss_tokens |-> [t \in 1 .. n |-> LossTokens(ready[r][t])],
+        unread |-> IF Dynamic THEN Cardinality(pending[r]) ELSE 0,
+        held |-> IF Dynamic
+                 THEN Cardinality(buffer[r])
+                      + SumOver(later, [t \in later |-> Cardinality(ready[r][t])])
+                 ELSE 0,
+        held_work |-> IF Dynamic
+                      THEN Tokens(buffer[r]) + SumOver(later, [t \in later |-> Tokens(ready[r][t])])
+                      ELSE 0]
 
 CutAt(k, gs, gt, gl, done) ==
     [steps |-> k, done |-> done,
@@ -262,17 +379,23 @@ StepCounts(d) ==
 
 NeedsSample(r) ==
     \/ /\ phase[r] = "waiting"          \* prefetch while the collective runs
-       /\ ~exhausted[r] /\ Cardinality(buffer[r]) < K
+       /\ ~exhausted[r] /\ ~Starved(r) /\ Cardinality(buffer[r]) < K
     \/ /\ phase[r] = "filling" /\ ready[r] = <<>>
-       /\ ~exhausted[r] /\ Cardinality(buffer[r]) < K
+       /\ ~exhausted[r] /\ ~Starved(r) /\ Cardinality(buffer[r]) < K
 
+\* A starved rank forms its window once (until it observes again).
 CanForm(r) ==
     /\ phase[r] = "filling" /\ ready[r] = <<>>
-    /\ Cardinality(buffer[r]) >= K \/ (exhausted[r] /\ buffer[r] # {})
+    /\ \/ Cardinality(buffer[r]) >= K
+       \/ exhausted[r] /\ buffer[r] # {}
+       \/ Starved(r) /\ buffer[r] # {} /\ ~formed[r]
 
+\* A dry rank with nothing left, or a starved one with what it could form.
 CanContribute(r) ==
     /\ phase[r] = "filling"
-    /\ ready[r] # <<>> \/ (exhausted[r] /\ buffer[r] = {})
+    /\ \/ ready[r] # <<>>
+       \/ exhausted[r] /\ buffer[r] = {}
+       \/ Starved(r) /\ Cardinality(buffer[r]) < K /\ (buffer[r] = {} \/ formed[r])
 
 -----------------------------------------------------------------------------
 (* Actions.                                                                 *)
@@ -290,23 +413,27 @@ Init ==
     /\ window_loss = [r \in Ranks |-> 0]
     /\ window_local = [r \in Ranks |-> 0]
     /\ windows = [r \in Ranks |-> <<>>]
-    /\ pending = Shard
+    /\ pending = IF Dynamic THEN [r \in Ranks |-> InitialSlice(r)] ELSE Shard
+    /\ cursor = [r \in Ranks |-> InitialCursor]
+    /\ formed = [r \in Ranks |-> FALSE]
     /\ inbox = [r \in Ranks |-> NoValue]
     /\ delivered = [i \in Ids |-> 0]
     /\ ledger = {}
     /\ step_batches = [r \in Ranks |-> <<>>]
     /\ step_counts = [r \in Ranks |-> <<>>]
 
-\* Sample i arrives from rank r's source (in id order when Deterministic).
+\* Sample i arrives from rank r's source (in id order when Deterministic; in
+\* plan order with dynamic sharding).
 Observe(r, i) ==
     /\ NeedsSample(r)
     /\ i \in pending[r]
-    /\ Deterministic => i = MinOf(pending[r])
+    /\ Deterministic => i = IF Dynamic THEN PlanFirst(pending[r]) ELSE MinOf(pending[r])
     /\ buffer' = [buffer EXCEPT ![r] = @ \cup {i}]
     /\ pending' = [pending EXCEPT ![r] = @ \ {i}]
+    /\ formed' = [formed EXCEPT ![r] = FALSE]
     /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted, contribution,
                    window_loss, window_local, windows, inbox, delivered, ledger,
-                   step_batches, step_counts>>
+                   step_batches, step_counts, cursor>>
 
 \* Rank r's source is found dry.
 Exhaust(r) ==
@@ -315,17 +442,29 @@ Exhaust(r) ==
     /\ exhausted' = [exhausted EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<phase, buffer, ready, steps, pads, round, emitted, contribution,
                    window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                   step_batches, step_counts>>
+                   step_batches, step_counts, cursor, formed>>
 
-\* Run the former on the window: a full window, or the tail of a dry source.
+\* A starved rank keeps its open batch back: the next deal may fill it.  When
+\* the window formed a single batch, that batch is the open one.
+HoldBack(res) ==
+    IF res.batches # <<>> /\ res.leftovers = {}
+    THEN [batches |-> SubSeq(res.batches, 1, Len(res.batches) - 1),
+          leftovers |-> res.batches[Len(res.batches)]]
+    ELSE res
+
+\* Run the former on the window: a full window, the tail of a dry source, or
+\* the window of a starved rank (formed without flush, once).
 Form(r) ==
     /\ CanForm(r)
-    /\ \E res \in {FormResult(buffer[r], Cardinality(buffer[r]) < K)} :
-          /\ ready' = [ready EXCEPT ![r] = @ \o res.batches]
-          /\ buffer' = [buffer EXCEPT ![r] = res.leftovers]
+    /\ \E short \in {Starved(r) /\ Cardinality(buffer[r]) < K} :
+       /\ \E res \in {IF short THEN HoldBack(CarriedFirst(buffer[r], FALSE))
+                      ELSE CarriedFirst(buffer[r], Cardinality(buffer[r]) < K)} :
+             /\ ready' = [ready EXCEPT ![r] = @ \o res.batches]
+             /\ buffer' = [buffer EXCEPT ![r] = res.leftovers]
+       /\ formed' = [formed EXCEPT ![r] = @ \/ short]
     /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
                    window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                   step_batches, step_counts>>
+                   step_batches, step_counts, cursor>>
 
 \* Enter the round's all-gather with this rank's vector.
 Contribute(r) ==
@@ -334,7 +473,7 @@ Contribute(r) ==
     /\ phase' = [phase EXCEPT ![r] = "waiting"]
     /\ UNCHANGED <<exhausted, buffer, ready, steps, pads, round, emitted,
                    window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                   step_batches, step_counts>>
+                   step_batches, step_counts, cursor, formed>>
 
 \* The collective completes once every rank has contributed and consumed the
 \* previous round; every rank gets the same gathered vectors.
@@ -348,10 +487,13 @@ AllGather ==
 \* Rank r consumes the gathered round: it runs the agreed steps, real batches
 \* from the head of its queue and pad steps after them, folding each into its
 \* optimizer window, then either starts the next round or closes the epoch,
-\* carrying what it still holds to the ledger.
+\* carrying what it still holds to the ledger.  With dynamic sharding it loads
+\* its slice of the round's deal (Deal), or, at the close, the ids not dealt
+\* yet are carried too.
 Receive(r) ==
     /\ inbox[r] # NoValue
     /\ \E d \in {Decide(inbox[r], emitted[r])} :
+       \E a \in {DealOf(r, d)} :
        LET real == Min2(d.steps, Len(ready[r]))
            rest == SubSeq(ready[r], real + 1, Len(ready[r]))
            carried == buffer[r] \cup UNION {rest[t] : t \in DOMAIN rest}
@@ -373,12 +515,16 @@ Receive(r) ==
              THEN /\ phase' = [phase EXCEPT ![r] = "done"]
                   /\ buffer' = [buffer EXCEPT ![r] = {}]
                   /\ ready' = [ready EXCEPT ![r] = <<>>]
-                  /\ ledger' = ledger \cup carried \cup pending[r]
+                  /\ ledger' = ledger \cup carried \cup pending[r] \cup PlanIds(cursor[r], Len(Plan))
                   /\ pending' = [pending EXCEPT ![r] = {}]
+                  /\ UNCHANGED cursor
              ELSE /\ phase' = [phase EXCEPT ![r] = "filling"]
                   /\ ready' = [ready EXCEPT ![r] = rest]
-                  /\ UNCHANGED <<buffer, ledger, pending>>
-    /\ UNCHANGED exhausted
+                  /\ pending' = [pending EXCEPT ![r] =
+                        @ \cup PlanIds(SliceStart(r, a), SliceStart(r, a) + a[r])]
+                  /\ cursor' = [cursor EXCEPT ![r] = @ + SumOver(Ranks, a)]
+                  /\ UNCHANGED <<buffer, ledger>>
+    /\ UNCHANGED <<exhausted, formed>>
 
 AllDone == \A r \in Ranks : phase[r] = "done"
 
@@ -423,7 +569,7 @@ LiveSpec == Init /\ [][Next]_vars /\ LiveFairness
 
 ContributionType ==
     [offered : 0 .. M, final : BOOLEAN, samples : Seq(Nat), tokens : Seq(Nat),
-     loss_tokens : Seq(Nat)]
+     loss_tokens : Seq(Nat), unread : Nat, held : Nat, held_work : Nat]
 
 WindowType == [end : Nat, loss : Nat, local : Nat]
 
@@ -438,6 +584,8 @@ TypeOK ==
     /\ window_loss \in [Ranks -> Nat] /\ window_local \in [Ranks -> Nat]
     /\ windows \in [Ranks -> Seq(WindowType)]
     /\ pending \in [Ranks -> SUBSET Ids]
+    /\ cursor \in [Ranks -> 0 .. Len(Plan)]
+    /\ formed \in [Ranks -> BOOLEAN]
     /\ inbox \in [Ranks -> [Ranks -> ContributionType \cup {NoValue}] \cup {NoValue}]
     /\ delivered \in [Ids -> Nat]
     /\ ledger \subseteq Ids
@@ -464,6 +612,21 @@ Places(i) ==
     + SumOver(Ranks, [r \in Ranks |-> Cardinality({t \in DOMAIN ready[r] : i \in ready[r][t]})])
     + (IF i \in ledger THEN 1 ELSE 0)
 
+\* Dynamic sharding: the plan ids no rank holds yet.  A rank whose inbox holds
+\* the gathered round has yet to load its slice of that round's deal; those
+\* ids are its own (InboxSlice), the rest of the plan past every deal is
+\* undealt (invariants._undealt).
+InboxDeal(r) == DealOf(r, Decide(inbox[r], emitted[r]))
+InboxSlice(r) ==
+    IF ~Dynamic \/ inbox[r] = NoValue THEN {}
+    ELSE LET a == InboxDeal(r) IN PlanIds(SliceStart(r, a), SliceStart(r, a) + a[r])
+Undealt ==
+    LET ends == {cursor[r] : r \in Ranks}
+                \cup {cursor[r] + SumOver(Ranks, InboxDeal(r)) : r \in {q \in Ranks : inbox[q] # NoValue}}
+    IN PlanIds(MaxOf(ends), Len(Plan))
+Unheld(r) == IF ~Dynamic \/ \E q \in Ranks : phase[q] = "done" THEN {} ELSE InboxSlice(r)
+UndealtRest == IF ~Dynamic \/ \E q \in Ranks : phase[q] = "done" THEN {} ELSE Undealt
+
 \* \A i \in Ids : Places(i) = 1, counted for all ids at once (linear in the ids,
 \* which matters when TLC replays a long recorded trace): the places cover the
 \* ids and their sizes add up to the number of ids.
@@ -472,9 +635,12 @@ NoLoss ==
         Queued(r) == UNION {ready[r][t] : t \in DOMAIN ready[r]}
         QueuedSize(r) == SumSeq([t \in DOMAIN ready[r] |-> Cardinality(ready[r][t])])
         Held(r) == Cardinality(pending[r]) + Cardinality(buffer[r]) + QueuedSize(r)
+                   + Cardinality(Unheld(r))
     IN /\ \A i \in D : delivered[i] = 1
-       /\ D \cup ledger \cup UNION {pending[r] \cup buffer[r] \cup Queued(r) : r \in Ranks} = Ids
-       /\ Cardinality(D) + Cardinality(ledger) + SumOver(Ranks, [r \in Ranks |-> Held(r)])
+       /\ D \cup ledger \cup UndealtRest
+            \cup UNION {pending[r] \cup buffer[r] \cup Queued(r) \cup Unheld(r) : r \in Ranks} = Ids
+       /\ Cardinality(D) + Cardinality(ledger) + Cardinality(UndealtRest)
+            + SumOver(Ranks, [r \in Ranks |-> Held(r)])
             = Cardinality(Ids)
 
 IdentityCoverage ==
@@ -489,7 +655,8 @@ QuotaClosed ==
     (Mode = "quota" /\ AllDone) =>
         /\ \A i \in Ids : delivered[i] + (IF i \in ledger THEN 1 ELSE 0) = 1
         /\ \/ Quota > 0 /\ Cardinality({i \in Ids : delivered[i] = 1}) >= Quota
-           \/ \E r \in Ranks : \A i \in Shard[r] : delivered[i] >= 1
+           \/ IF Dynamic THEN \E r \in Ranks : exhausted[r]    \* dealt out, and dry
+              ELSE \E r \in Ranks : \A i \in Shard[r] : delivered[i] >= 1
 
 QuotaCutExact ==
     (Mode = "quota" /\ AllDone /\ Quota > 0 /\ step_counts[0] # <<>>) =>
@@ -506,10 +673,15 @@ BudgetSafety ==
 \* Join: every step some rank that never padded runs a real batch.  Quota: no
 \* rank ever pads, so every rank runs a real batch at every step
 \* (proofs/bounded_termination.md).
+\* Dynamic sharding (assign.dynamic_bounds, proofs/dynamic_sharding.md D2): a
+\* step per plan id; a round per step or per id dealt after the initial
+\* shares, plus the last.
 StepsBound ==
-    IF Mode = "quota" THEN MinOf({Cardinality(Shard[r]) : r \in Ranks})
+    IF Dynamic THEN Len(Plan)
+    ELSE IF Mode = "quota" THEN MinOf({Cardinality(Shard[r]) : r \in Ranks})
     ELSE MaxOf({Cardinality(Shard[r]) : r \in Ranks})
-RoundsBound == StepsBound + 1
+RoundsBound ==
+    IF Dynamic THEN Len(Plan) + (Len(Plan) - InitialCursor) + 1 ELSE StepsBound + 1
 
 BoundedTermination ==
     \A r \in Ranks : steps[r] <= StepsBound /\ round[r] <= RoundsBound
@@ -588,11 +760,15 @@ PadsOnlyAtEnd ==
         /\ \A t \in DOMAIN step_batches[r] : step_batches[r][t] = {} =>
             \A u \in t .. Len(step_batches[r]) : step_batches[r][u] = {}
 
-\* In deterministic mode a rank has consumed a prefix of its shard.
+\* In deterministic mode a rank has consumed a prefix of its shard (dynamic
+\* sharding: no id it holds follows, in the plan, one it still waits for).
 DeterministicArrival ==
     Deterministic =>
         \A r \in Ranks : pending[r] # {} =>
-            \A i \in Shard[r] \ pending[r] : i < MinOf(pending[r])
+            IF Dynamic
+            THEN \A i \in buffer[r] \cup UNION {ready[r][t] : t \in DOMAIN ready[r]} :
+                    Pos(i) < Pos(PlanFirst(pending[r]))
+            ELSE \A i \in Shard[r] \ pending[r] : i < MinOf(pending[r])
 
 \* Checked on small models only: TLC's ENABLED is slow here.
 EnabledExact == ProtocolEnabled = ENABLED <<ProtocolNext>>_vars

@@ -13,11 +13,11 @@ EXTENDS Naturals, Sequences, FiniteSets
 
 CONSTANTS W, Shard, SampleLen, SampleLoss, SamplePatches, Budget, MaxSamples, MaxPatches,
           CostModel, K, M, Mode, Quota, Deterministic, AccumSteps, TokensPerUpdate, NoValue,
-          Bug
+          Dynamic, Plan, Target, Carried, Bug
 
 VARIABLES phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution,
           window_loss, window_local, windows, pending, inbox, delivered, ledger,
-          step_batches, step_counts
+          step_batches, step_counts, cursor, formed
 
 D == INSTANCE DGAP
 \* The decision of quota mode, applied in join mode by join-closes-early.
@@ -40,7 +40,8 @@ Bugs == {
     "offer-miscounts",       \* the vector reports samples where tokens belong
     "any-order",             \* deterministic mode takes samples in any order
     "early-pads",            \* join runs max offered steps: ranks pad mid-epoch
-    "no-fairness"}           \* the specification assumes no fairness
+    "no-fairness",           \* the specification assumes no fairness
+    "deal-overlaps"}         \* a rank loads its share of a deal from the cursor on
 
 ASSUME Bug \in Bugs
 
@@ -58,19 +59,21 @@ Observe(r, i) ==
             /\ Deterministic => i = D!MinOf(pending[r])
             /\ buffer' = [buffer EXCEPT ![r] = @ \cup {i}]
             /\ pending' = [pending EXCEPT ![r] = @ \ {i}]
+            /\ formed' = [formed EXCEPT ![r] = FALSE]
             /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted,
                            contribution, window_loss, window_local, windows,
                            inbox, delivered, ledger,
-                           step_batches, step_counts>>
+                           step_batches, step_counts, cursor>>
       [] Bug = "any-order" ->
             /\ D!NeedsSample(r)
             /\ i \in pending[r]
             /\ buffer' = [buffer EXCEPT ![r] = @ \cup {i}]
             /\ pending' = [pending EXCEPT ![r] = @ \ {i}]
+            /\ formed' = [formed EXCEPT ![r] = FALSE]
             /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted,
                            contribution, window_loss, window_local, windows,
                            inbox, delivered, ledger,
-                           step_batches, step_counts>>
+                           step_batches, step_counts, cursor>>
       [] OTHER -> D!Observe(r, i)
 
 Exhaust(r) == D!Exhaust(r)
@@ -90,7 +93,7 @@ Form(r) ==
                         /\ buffer' = [buffer EXCEPT ![r] = {}]
          /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
                         window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                           step_batches, step_counts>>
+                           step_batches, step_counts, cursor, formed>>
     ELSE D!Form(r)
 
 Contribute(r) ==
@@ -106,7 +109,7 @@ Contribute(r) ==
                     IF Bug = "silent-stop" /\ c.final /\ c.offered = 0 THEN "done" ELSE "waiting"]
          /\ UNCHANGED <<exhausted, buffer, ready, steps, pads, round, emitted,
                         window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                           step_batches, step_counts>>
+                           step_batches, step_counts, cursor, formed>>
     ELSE D!Contribute(r)
 
 AllGather == D!AllGather
@@ -144,12 +147,13 @@ Windows(r, d, real) ==
 
 Receive(r) ==
     IF Bug \in {"no-pads", "pad-repeats-batch", "quota-forgets-ledger", "join-closes-early",
-                "stale-inbox", "early-pads", "window-by-local"}
+                "stale-inbox", "early-pads", "window-by-local", "deal-overlaps"}
     THEN
     /\ inbox[r] # NoValue
     /\ \E d \in {CASE Bug = "join-closes-early" -> DQ!Decide(inbox[r], emitted[r])
                   [] Bug = "early-pads" -> DecideMax(inbox[r])
                   [] OTHER -> D!Decide(inbox[r], emitted[r])} :
+       \E a \in {D!DealOf(r, d)} :
        LET real == D!Min2(d.steps, Len(ready[r]))
            rest == SubSeq(ready[r], real + 1, Len(ready[r]))
            carried == buffer[r] \cup UNION {rest[t] : t \in DOMAIN rest}
@@ -178,11 +182,16 @@ Receive(r) ==
                   /\ ready' = [ready EXCEPT ![r] = <<>>]
                   /\ ledger' = IF Bug = "quota-forgets-ledger" THEN ledger \cup pending[r]
                                ELSE ledger \cup carried \cup pending[r]
+                               \cup D!PlanIds(cursor[r], Len(Plan))
                   /\ pending' = [pending EXCEPT ![r] = {}]
+                  /\ UNCHANGED cursor
              ELSE /\ phase' = [phase EXCEPT ![r] = "filling"]
                   /\ ready' = [ready EXCEPT ![r] = rest]
-                  /\ UNCHANGED <<buffer, ledger, pending>>
-    /\ UNCHANGED exhausted
+                  /\ LET start == IF Bug = "deal-overlaps" THEN cursor[r] ELSE D!SliceStart(r, a)
+                     IN pending' = [pending EXCEPT ![r] = @ \cup D!PlanIds(start, start + a[r])]
+                  /\ cursor' = [cursor EXCEPT ![r] = @ + D!SumOver(Ranks, a)]
+                  /\ UNCHANGED <<buffer, ledger>>
+    /\ UNCHANGED <<exhausted, formed>>
     ELSE D!Receive(r)
 
 Terminating == D!Terminating

@@ -31,11 +31,12 @@ BatchSeqs(S) ==
 
 \* Every vector rank s can send: its batches are sets of its own samples.
 Offers(s) ==
-    {[offered |-> 0, final |-> f, samples |-> <<>>, tokens |-> <<>>, loss_tokens |-> <<>>] :
+    {[offered |-> 0, final |-> f, samples |-> <<>>, tokens |-> <<>>, loss_tokens |-> <<>>,
+      unread |-> 0, held |-> 0, held_work |-> 0] :
         f \in BOOLEAN}
     \cup
     {[offered |-> 1, final |-> f, samples |-> <<Cardinality(b)>>, tokens |-> <<Tokens(b)>>,
-      loss_tokens |-> <<LossTokens(b)>>] :
+      loss_tokens |-> <<LossTokens(b)>>, unread |-> 0, held |-> 0, held_work |-> 0] :
         f \in BOOLEAN, b \in (SUBSET Shard[s]) \ {{}}}
 
 \* A waiting rank's gathered round: its own vector and any offers of the others.
@@ -106,6 +107,8 @@ IndInit ==
     /\ window_loss = [r \in Ranks |-> 0]
     /\ window_local = [r \in Ranks |-> 0]
     /\ windows = [r \in Ranks |-> <<>>]
+    /\ cursor = [r \in Ranks |-> 0]
+    /\ formed = [r \in Ranks |-> FALSE]
     /\ emitted \in [Ranks -> 0 .. MaxCount]
     /\ \E c0 \in ContributionChoices(0), c1 \in ContributionChoices(1) :
             contribution = [r \in Ranks |-> IF r = 0 THEN c0 ELSE c1]
@@ -127,7 +130,8 @@ IndNext == depth = 0 /\ Next /\ depth' = 1
 Offers2(s) ==
     Offers(s) \cup
     {[offered |-> 2, final |-> f, samples |-> <<Cardinality(b), Cardinality(c)>>,
-      tokens |-> <<Tokens(b), Tokens(c)>>, loss_tokens |-> <<LossTokens(b), LossTokens(c)>>] :
+      tokens |-> <<Tokens(b), Tokens(c)>>, loss_tokens |-> <<LossTokens(b), LossTokens(c)>>,
+      unread |-> 0, held |-> 0, held_work |-> 0] :
         f \in BOOLEAN, b, c \in (SUBSET Shard[s]) \ {{}}}
 
 Top == MaxOf({round[r] : r \in Ranks})
@@ -245,6 +249,8 @@ CrossInit ==
     /\ window_loss = [r \in Ranks |-> 0]
     /\ window_local = [r \in Ranks |-> 0]
     /\ windows = [r \in Ranks |-> <<>>]
+    /\ cursor = [r \in Ranks |-> 0]
+    /\ formed = [r \in Ranks |-> FALSE]
     /\ CrossInv
 
 =============================================================================

@@ -7,5 +7,7 @@ MCShard == [x \in 0 .. 1 |-> <<{0, 1}, {2}>>[x + 1]]
 MCSampleLen == [x \in 0 .. 2 |-> <<1, 3, 2>>[x + 1]]
 MCSampleLoss == [x \in 0 .. 2 |-> <<0, 2, 1>>[x + 1]]
 MCSamplePatches == [x \in 0 .. 2 |-> 0]
+MCPlan == <<>>
+MCCarried == {}
 
 ====

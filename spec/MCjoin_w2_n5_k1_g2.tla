@@ -6,5 +6,7 @@ MCShard == [x \in 0 .. 1 |-> <<{0, 2, 4}, {1, 3}>>[x + 1]]
 MCSampleLen == [x \in 0 .. 4 |-> <<1, 2, 3, 1, 2>>[x + 1]]
 MCSampleLoss == [x \in 0 .. 4 |-> <<0, 2, 1, 1, 0>>[x + 1]]
 MCSamplePatches == [x \in 0 .. 4 |-> <<0, 0, 0, 0, 0>>[x + 1]]
+MCPlan == <<>>
+MCCarried == {}
 
 ====

@@ -6,5 +6,7 @@ MCShard == [x \in 0 .. 1 |-> <<{0, 2, 4, 6}, {1, 3, 5}>>[x + 1]]
 MCSampleLen == [x \in 0 .. 6 |-> <<1, 1, 1, 1, 1, 5, 2>>[x + 1]]
 MCSampleLoss == [x \in 0 .. 6 |-> <<0, 1, 0, 0, 1, 3, 1>>[x + 1]]
 MCSamplePatches == [x \in 0 .. 6 |-> <<2, 0, 0, 1, 0, 2, 1>>[x + 1]]
+MCPlan == <<>>
+MCCarried == {}
 
 ====

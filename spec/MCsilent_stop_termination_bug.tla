@@ -6,5 +6,7 @@ MCShard == [x \in 0 .. 2 |-> <<{0, 3}, {1, 4}, {2, 5}>>[x + 1]]
 MCSampleLen == [x \in 0 .. 5 |-> <<1, 2, 3, 1, 2, 3>>[x + 1]]
 MCSampleLoss == [x \in 0 .. 5 |-> <<0, 1, 2, 0, 1, 2>>[x + 1]]
 MCSamplePatches == [x \in 0 .. 5 |-> <<0, 0, 0, 0, 0, 0>>[x + 1]]
+MCPlan == <<>>
+MCCarried == {}
 
 ====

@@ -90,7 +90,7 @@ def test_ok_models_check_everything_with_small_bounds() -> None:
     ok = [m for m in MANIFEST if m.generated and m.bug is None and m.expected == "ok"]
     assert {m.world_size for m in ok} == {2, 3}
     assert {m.mode for m in ok} == {"join", "quota"}
-    assert {m.buffer_size for m in ok} == {1, 2, 3}
+    assert {m.buffer_size for m in ok} == {1, 2, 3, 4}
     assert all(4 <= len(m.costs) <= 8 for m in ok)
     assert sum(m.conformance for m in ok) >= 3
     for m in ok:
@@ -123,7 +123,7 @@ def test_window_models_cover_both_rules_loss_apart_from_cost_and_quota() -> None
 
 def test_mirrored_bug_models_are_the_python_bug_models() -> None:
     # A cross-epoch variant (two passes) has no TLC model; see cross_epoch_fairness.md.
-    python_bugs = {b.value: b for b in BugVariant if b.passes == 1 and not b.dynamic}
+    python_bugs = {b.value: b for b in BugVariant if b.passes == 1}
     mirrored = [m for m in MANIFEST if m.bug in python_bugs]
     assert {m.bug for m in mirrored} == set(python_bugs)
     for m in mirrored:
@@ -139,6 +139,9 @@ def test_mirrored_bug_models_are_the_python_bug_models() -> None:
             "budget",
             "grad_accum_steps",
             "tokens_per_update",
+            "sharding",
+            "plan",
+            "assign_target",
         )
         for field in fields:
             assert getattr(got.protocol, field) == getattr(want.protocol, field), field

@@ -31,6 +31,7 @@ CONFIGS = [
     "MCjoin_w2_n5_k1_g2",
     "MCjoin_w3_n6_k1_t3",
     "MCquota_w2_n8_k2_g2_q3",
+    "MCquota_w2_n6_k2_q3_carry",
 ]
 
 

@@ -189,7 +189,7 @@ class BugVariant(enum.Enum):
     @property
     def dynamic(self) -> bool:
         """A bug of dynamic sharding (`Sharding.DYNAMIC`): its model deals the plan.
-        The fuzzer and spec/DGAP.tla model static sharding only so far."""
+        spec/DGAP.tla models it too (`Dynamic`; `MCdeal_overlaps_bug`)."""
         return self is BugVariant.DEAL_OVERLAPS
 
     @property

@@ -50,10 +50,14 @@ VARIABLES = (
     "ledger",
     "step_batches",
     "step_counts",
+    "cursor",
+    "formed",
 )
 
 Canon = tuple[Hashable, ...]
-ContribCanon = tuple[int, bool, tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None
+ContribCanon = (
+    tuple[int, bool, tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int, int] | None
+)
 WindowCanon = tuple[tuple[int, int, int], ...]
 
 _NODE = re.compile(r'^(-?\d+) \[label="((?:[^"\\]|\\.)*)"')
@@ -102,6 +106,9 @@ def _tlc_contribution(c: Any) -> ContribCanon:
         tuple(_per_key(c["samples"])),
         tuple(_per_key(c["tokens"])),
         tuple(_per_key(c["loss_tokens"])),
+        int(c["unread"]),
+        int(c["held"]),
+        int(c["held_work"]),
     )
 
 
@@ -134,13 +141,24 @@ def canonical_tlc(state: Mapping[str, Any]) -> Canon:
         frozenset(state["ledger"]),
         tuple(tuple(frozenset(b) for b in q) for q in _per_key(state["step_batches"])),
         tuple(tuple(tuple(int(x) for x in c) for c in q) for q in _per_key(state["step_counts"])),
+        tuple(_per_key(state["cursor"])),
+        tuple(_per_key(state["formed"])),
     )
 
 
 def _py_contribution(c: Contribution | None) -> ContribCanon:
     if c is None:
         return None
-    return (c.offered, c.final, tuple(c.samples), tuple(c.tokens), tuple(c.loss_tokens))
+    return (
+        c.offered,
+        c.final,
+        tuple(c.samples),
+        tuple(c.tokens),
+        tuple(c.loss_tokens),
+        c.unread,
+        c.held,
+        c.held_work,
+    )
 
 
 def canonical_python(state: GlobalState) -> Canon:
@@ -165,6 +183,8 @@ def canonical_python(state: GlobalState) -> Canon:
         frozenset(state.ledger),
         state.step_batches,
         state.step_counts,
+        tuple(r.cursor for r in rs),
+        tuple(r.formed for r in rs),
     )
 
 

@@ -15,7 +15,7 @@ validation). The same linearised action sequence can be handed to TLC.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from odb_core.config import Mode
@@ -103,6 +103,9 @@ def trace_model(trace: ProtocolTrace) -> tuple[ModelConfig, dict[int, int]]:
         tuple(s._replace(id=id_map[s.id]) for s in (*shard, *extra))
         for shard, extra in zip(observed, unread, strict=True)
     )
+    if protocol.carried:  # carried ids are named like the samples: renumber them too
+        carried = frozenset(id_map[i] for i in protocol.carried if i in id_map)
+        protocol = replace(protocol, carried=carried)
     return ModelConfig(protocol, shards), id_map
 
 

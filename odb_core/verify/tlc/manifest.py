@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from odb_core.config import Mode, OversizePolicy, ProtocolConfig, make_cost_model
+from odb_core.config import Mode, OversizePolicy, ProtocolConfig, Sharding, make_cost_model
 from odb_core.cost import Budget
 from odb_core.errors import ConfigError
 from odb_core.protocol import RankMachine
@@ -52,6 +52,9 @@ class ManifestModel:
     patches: tuple[int, ...] | None = None  # per-sample visual patches
     max_samples: int | None = None
     max_patches: int | None = None
+    sharding: str = "static"  # "dynamic": Sharding.DYNAMIC over the plan 0 .. n-1
+    assign_target: int | None = None
+    carried: tuple[int, ...] = ()  # quota mode: ids carried in from the last pass's ledger
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ManifestModel:
@@ -87,6 +90,9 @@ class ManifestModel:
             patches=_ints_or_none(m.get("patches")),
             max_samples=m.get("max_samples"),
             max_patches=m.get("max_patches"),
+            sharding=str(m.get("sharding", "static")),
+            assign_target=m.get("assign_target"),
+            carried=tuple(int(x) for x in m.get("carried", ())),
         )
 
     def model_config(self, machine: type[RankMachine] = RankMachine) -> ModelConfig:
@@ -105,7 +111,15 @@ class ManifestModel:
             oversize=OversizePolicy.SOLO,
             grad_accum_steps=self.grad_accum_steps,
             tokens_per_update=self.tokens_per_update,
+            carried=frozenset(self.carried),
         )
+        if self.sharding == "dynamic":
+            protocol = replace(
+                protocol,
+                sharding=Sharding.DYNAMIC,
+                plan=tuple(range(len(self.costs))),
+                assign_target=self.assign_target,
+            )
         shards = round_robin_shards(
             self.costs, self.world_size, self.loss, visual=self.visual, patches=self.patches
         )

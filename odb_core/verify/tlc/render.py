@@ -89,6 +89,8 @@ def spec_constants(cfg: ModelConfig) -> SpecConstants:
         "Deterministic": tla_value(p.deterministic),
         "AccumSteps": str(p.accum_steps),
         "TokensPerUpdate": str(p.tokens_per_update or 0),
+        "Dynamic": tla_value(p.dynamic),
+        "Target": str(p.target if p.dynamic else 0),
         "NoValue": "NoValue",
     }
     definitions = {
@@ -96,6 +98,8 @@ def spec_constants(cfg: ModelConfig) -> SpecConstants:
         "SampleLen": _function([str(s.length) for s in samples]),
         "SampleLoss": _function([str(s.loss) for s in samples]),
         "SamplePatches": _function([str(s.patches) for s in samples]),
+        "Plan": tla_value(tuple(p.plan)),
+        "Carried": tla_value(frozenset(p.carried)),
     }
     return SpecConstants(scalars, definitions)
 

@@ -20,7 +20,7 @@ from odb_core.verify.trace import ProtocolTrace, TraceReport, scale_mismatch, tr
 TRACE_MODULE = "TraceDGAP"
 
 _TRACE_DEFS = r"""NoVec == [offered |-> 0, final |-> FALSE, samples |-> <<>>, tokens |-> <<>>,
-          loss_tokens |-> <<>>]
+          loss_tokens |-> <<>>, unread |-> 0, held |-> 0, held_work |-> 0]
 \* y: for each step of a Receive, whether an optimizer window closed at it
 \* (its sync_gradients); yk: y was recorded (older traces lack it).
 \* g: for each step, its global <<samples, cost tokens, loss tokens>>; gk: recorded.
@@ -32,7 +32,8 @@ Exh(r) == Ev("Exhaust", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
 Frm(r) == Ev("Form", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
 Con(r, o, f, s, t, l) ==
     Ev("Contribute", r, 0,
-       [offered |-> o, final |-> f, samples |-> s, tokens |-> t, loss_tokens |-> l],
+       [offered |-> o, final |-> f, samples |-> s, tokens |-> t, loss_tokens |-> l,
+        unread |-> 0, held |-> 0, held_work |-> 0],
        <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
 Gat == Ev("AllGather", 0, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
 Rcv(r, s, d) == Ev("Receive", r, 0, NoVec, s, <<>>, FALSE, <<>>, FALSE, d)
