@@ -29,6 +29,7 @@ def expected_constants(d: dict[str, Any]) -> dict[str, Any]:
     costs = list(m["costs"])
     n, world = len(costs), m["world_size"]
     visual = m.get("visual") or [0] * n
+    dynamic = m.get("sharding", "static") == "dynamic"
     return {
         "W": world,
         "Budget": m.get("budget", 4),
@@ -48,6 +49,10 @@ def expected_constants(d: dict[str, Any]) -> dict[str, Any]:
         if m.get("loss") is not None
         else [c - v for c, v in zip(costs, visual, strict=True)],
         "SamplePatches": list(m.get("patches") or [0] * n),
+        "Dynamic": dynamic,
+        "Target": m["assign_target"] if dynamic else 0,
+        "Plan": list(range(n)) if dynamic else [],
+        "Carried": sorted(m.get("carried") or []),
         **({"Bug": d["bug"]} if d.get("bug") else {}),
     }
 
@@ -75,7 +80,7 @@ def committed_constants(name: str) -> dict[str, Any]:
         if op == "<-":
             body = re.search(
                 rf"^{value} == \[x \\in 0 \.\. \d+ \|-> (<<.*>>)\[x \+ 1\]\]$", tla, re.M
-            )
+            ) or re.search(rf"^{value} == (.*)$", tla, re.M)  # a plain value: Plan, Carried
             assert body, f"{name}: no definition of {value}"
             out[key] = plain(body.group(1))
         elif key != "NoValue":
