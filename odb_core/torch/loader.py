@@ -409,6 +409,9 @@ class ODBDataLoader:
         # whether the last load was refused): see _verify_resume.
         self._unverified: tuple[Any, ...] | None = None
         self._refused = False
+        # The epoch order load_state_dict computed to check the state, kept for the
+        # first iteration after it: (epoch, dataset length, shuffle, seed) and the order.
+        self._loaded_order: tuple[tuple[int, int, bool, int], Sequence[int]] | None = None
         self.epoch = 0
         # The current epoch completed (iterated to its end, or loaded closed) and no
         # set_epoch since: the next iter() starts epoch + 1.
@@ -821,19 +824,21 @@ class ODBDataLoader:
             raise ResumeStateError(
                 "loader state is from another dataset or config: " + "; ".join(diff)
             )
-        progress.check_for(
-            resume_target(
-                progress,
-                self.config,
-                rank=self.rank,
-                length=None if self._iterable else len(self.dataset),
-                id_fn=self.id_fn is not None,
-                partition=self.partition,
-                sampler=self.sampler,
-                shuffle=self.shuffle,
-                seed=self.seed,
-            )
+        length = None if self._iterable else len(self.dataset)
+        target = resume_target(
+            progress,
+            self.config,
+            rank=self.rank,
+            length=length,
+            id_fn=self.id_fn is not None,
+            partition=self.partition,
+            sampler=self.sampler,
+            shuffle=self.shuffle,
+            seed=self.seed,
         )
+        progress.check_for(target)
+        if target.order is not None and length is not None:
+            self._loaded_order = ((progress.epoch, length, self.shuffle, self.seed), target.order)
         return progress
 
     def _snapshot(self) -> tuple[Any, ...]:
@@ -955,9 +960,16 @@ class ODBDataLoader:
                 set_epoch(self.epoch)
             order = sampler_order(self.sampler)
         else:
-            order = epoch_order(
-                len(self.dataset), shuffle=self.shuffle, seed=self.seed, epoch=self.epoch
-            )
+            # Reuse the order load_state_dict just computed (a 1M-sample shuffle is
+            # tens of ms); it is used once, so no order outlives its iteration.
+            key = (self.epoch, len(self.dataset), self.shuffle, self.seed)
+            hint, self._loaded_order = self._loaded_order, None
+            if hint is not None and hint[0] == key:
+                order = list(hint[1])  # a copy: the shard below may be this list
+            else:
+                order = epoch_order(
+                    len(self.dataset), shuffle=self.shuffle, seed=self.seed, epoch=self.epoch
+                )
         if self.config.dynamic:
             return self._deal_source(progress, order, excluded, head)
         if not self.partition:
