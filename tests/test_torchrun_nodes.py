@@ -26,6 +26,15 @@ from odb_core.bench.launch import free_port
 SAMPLES, EVERY = 160, 4
 
 
+def elastic_flags(last_call_s: int) -> list[str]:
+    """One node of an elastic group of 1 or 2, one restart; the rendezvous closes
+    `last_call_s` after the minimum of nodes is there."""
+    return [
+        "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1", "--monitor-interval=0.2",
+        f"--rdzv-conf=last_call_timeout={last_call_s},join_timeout=60",
+    ]  # fmt: skip
+
+
 def test_two_nodes_train_every_id_once_with_equal_steps(tmp_path: Path) -> None:
     node = ["--nnodes=2", "--nproc_per_node=2"]
     args = ["--samples", str(SAMPLES), "--every", str(EVERY), "--epochs", "2"]
@@ -42,10 +51,7 @@ def test_elastic_size_a_node_joins_and_the_loader_resumes_at_world_two(tmp_path:
     per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with the shared agent store,
     torch 2.13's agent does not publish the store address for the new round and
     the joining node waits for it until its timeout (docs/ELASTIC.md)."""
-    flags = [
-        "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1", "--monitor-interval=0.2",
-        "--rdzv-conf=last_call_timeout=1,join_timeout=60",
-    ]  # fmt: skip
+    flags = elastic_flags(last_call_s=1)
     args = ["--samples", str(SAMPLES), "--every", str(EVERY), "--step-sleep", "0.1"]
     port = free_port()
     a = start(tmp_path, 0, flags, port, args, share_store=False)
@@ -71,10 +77,7 @@ def test_elastic_size_a_node_leaves_and_the_loader_resumes_at_world_one(tmp_path
     worker). A's worker fails on the lost peer, torchrun restarts it, the rendezvous
     closes with A alone, and it resumes at world 1 from the last complete checkpoint
     (both old ranks' states): every id once, but for the replay since it."""
-    flags = [
-        "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1", "--monitor-interval=0.2",
-        "--rdzv-conf=last_call_timeout=5,join_timeout=60",
-    ]  # fmt: skip
+    flags = elastic_flags(last_call_s=5)
     args = ["--samples", str(SAMPLES), "--every", str(EVERY), "--step-sleep", "0.5"]
     port = free_port()
     a = start(tmp_path, 0, flags, port, args, share_store=False)
