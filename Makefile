@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo check test lint typecheck unit fast bench mutants clean
+.PHONY: demo check test slow-tlc lint typecheck unit fast bench mutants clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,13 +33,18 @@ fast: $(STAMP)
 
 check: lint typecheck fast
 
-# Every test, TLC and the torchrun examples included.
+# Every test, TLC and the torchrun examples included, but the manifest's four slow
+# TLC models (bounded-domain inductive checks, about 4 min of both cores):
+# `make slow-tlc` runs those, and CI (.ci/run) runs it after `make test`.
 # Includes the fixed mutation regression (tests/test_oracle_overshoot.py,
 # tests/test_core_edges.py; docs/VERIFICATION.md); `make mutants` is the full run.
 unit: $(STAMP)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -m "not slow_tlc"
 
 test: lint typecheck unit
+
+slow-tlc: $(STAMP)
+	$(VENV)/bin/pytest -m slow_tlc
 
 bench: $(STAMP)
 	$(VENV)/bin/pytest benchmarks --benchmark-enable --benchmark-columns=median,mean,rounds

@@ -44,13 +44,34 @@ def require_tlc() -> None:
     pytest.fail(problem)
 
 
-@lru_cache(maxsize=1)
-def manifest_results() -> dict[str, tlc.TLCResult]:
-    """Every manifest model, run once; conformance models keep their state graph."""
+#: The manifest's `slow` models (the bounded-domain inductive checks, minutes each)
+#: run in their own tier, `make slow-tlc` (marker `slow_tlc`), which CI runs after
+#: `make test`; every other model runs in `make test`.
+SLOW_MODELS = frozenset(m.name for m in MANIFEST if m.slow)
+
+
+@lru_cache(maxsize=2)
+def _run(slow: bool) -> dict[str, tlc.TLCResult]:
     keep = Path(tempfile.mkdtemp(prefix="odb-tlc-tests-"))
     atexit.register(shutil.rmtree, keep, True)
     parallel = int(os.environ.get("ODB_TLC_PARALLEL", "2"))  # 1 on a shared machine
-    return tlc.run_manifest(MANIFEST, parallel=parallel, keep_dir=keep, timeout=TLC_HANG_GUARD_S)
+    models = [m for m in MANIFEST if m.slow == slow]
+    return tlc.run_manifest(models, parallel=parallel, keep_dir=keep, timeout=TLC_HANG_GUARD_S)
+
+
+def manifest_results() -> dict[str, tlc.TLCResult]:
+    """Every manifest model but the slow ones, run once; conformance models keep
+    their state graph."""
+    return _run(False)
+
+
+def model_result(name: str) -> tlc.TLCResult:
+    """One model's result; a slow model runs (with the other slow ones) on first use."""
+    return _run(name in SLOW_MODELS)[name]
+
+
+def tier(name: str) -> object:
+    return pytest.param(name, marks=pytest.mark.slow_tlc) if name in SLOW_MODELS else name
 
 
 # ---- no Java needed ---------------------------------------------------------
@@ -197,10 +218,10 @@ def test_missing_java_or_jar_says_how_to_install(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.tlc
-@pytest.mark.parametrize("name", [m.name for m in MANIFEST])
+@pytest.mark.parametrize("name", [tier(m.name) for m in MANIFEST])
 def test_model_as_pinned(name: str) -> None:
     require_tlc()
-    m, r = BY_NAME[name], manifest_results()[name]
+    m, r = BY_NAME[name], model_result(name)
     assert not tlc.compare_with_manifest(m, r), (r.verdict, r.message, r.format_trace())
     assert m.expect.get("distinct_states") and m.expect.get("depth")
     if m.expected != "ok":
@@ -260,28 +281,27 @@ def test_exit_codes_of_tlc_2_15() -> None:
 
 
 @pytest.mark.tlc
-def test_the_inductive_invariant_is_inductive_and_needs_its_strengthening() -> None:
+@pytest.mark.parametrize("name", [tier("MCInductive_join"), tier("MCInductive_quota")])
+def test_the_inductive_invariant_is_inductive_and_needs_its_strengthening(name: str) -> None:
     require_tlc()
-    results = manifest_results()
-    for name in ("MCInductive_join", "MCInductive_quota"):
-        r = results[name]
-        assert r.result == "ok" and r.depth == 2, (name, r.message)
-        assert r.distinct_states and r.distinct_states > 50_000
-    weak = results["MCInductive_weak_bug"]
+    r = model_result(name)
+    assert r.result == "ok" and r.depth == 2, (name, r.message)
+    assert r.distinct_states and r.distinct_states > 50_000
+    weak = model_result("MCInductive_weak_bug")
     assert weak.verdict == "invariant:IndInv" and len(weak.trace) == 2
 
 
 @pytest.mark.tlc
+@pytest.mark.slow_tlc
 def test_the_cross_rank_invariant_is_inductive_with_two_steps_a_round() -> None:
     """Align (step_alignment.md), the termination agreement and the quota closure,
     with M = 2: inductive on a bounded domain, and A8 is needed."""
     require_tlc()
-    results = manifest_results()
     for name in ("MCInductive_cross_join", "MCInductive_cross_quota"):
-        r = results[name]
+        r = model_result(name)
         assert r.result == "ok" and r.depth == 2, (name, r.message)
         assert BY_NAME[name].max_steps_per_round == 2
-    weak = results["MCInductive_cross_weak_bug"]
+    weak = model_result("MCInductive_cross_weak_bug")
     assert weak.verdict == "invariant:CrossInv" and len(weak.trace) == 2
     text = (tlc.spec_dir() / "DGAPInductive.tla").read_text()
     for name in ("StepAlignment", "CollectiveAlignment", "TerminationAgreement", "QuotaClosed"):
@@ -355,8 +375,6 @@ def test_cli_reports_a_model_that_differs_from_its_pins(
     assert rc == 1 and "DIFFERS" in text and "distinct_states 393 != pinned 392" in text
 
 
-@pytest.mark.tlc
-@pytest.mark.slow
 # The demo's TLC section runs once, beside a CPU hog: tests/test_demo_under_load.py.
 
 
