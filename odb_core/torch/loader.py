@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data import default_collate as _default_collate
 
 from odb_core.assign import initial_slice
@@ -80,6 +80,7 @@ from odb_core.schedule import SampleProfile
 from odb_core.torch.length import EpochLength, shard_sizes
 from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, TruncateFn, measure
 from odb_core.torch.meta import scaled_loss
+from odb_core.torch.options import LoaderOptions
 from odb_core.torch.pipeline import (
     Emitted,
     EpochPipeline,
@@ -224,71 +225,11 @@ class ODBDataLoader:
         batch_sampler: object = None,
         drop_last: bool = False,
     ) -> None:
-        if batch_size is not None:
-            raise ConfigError(
-                f"batch_size={batch_size!r} conflicts with token_budget: ODBDataLoader sizes "
-                "each batch by its token cost (cap the samples per batch with max_samples=)"
-            )
-        if batch_sampler is not None:
-            raise ConfigError(
-                f"batch_sampler={batch_sampler!r} conflicts with token_budget: the protocol "
-                "forms the batches"
-            )
-        if drop_last:
-            raise ConfigError(
-                "drop_last=True would drop samples; ODBDataLoader emits every sample of the "
-                "epoch exactly once (mode='quota' closes epochs early with a ledger instead)"
-            )
-        if (
-            isinstance(peer_timeout, bool)
-            or not isinstance(peer_timeout, (int, float))
-            or not math.isfinite(peer_timeout)
-            or peer_timeout <= 0
-        ):
-            raise ConfigError(
-                f"peer_timeout={peer_timeout!r} must be a finite number of seconds > 0"
-            )
-        for name, value in (("samples_per_fetch", samples_per_fetch), ("seed", seed)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name}={value!r} must be a non-negative integer")
-        if samples_per_fetch < 1:
-            raise ConfigError(f"samples_per_fetch={samples_per_fetch!r} must be >= 1")
-        if isinstance(label_shift, bool) or not isinstance(label_shift, int) or label_shift < 0:
-            raise ConfigError(f"label_shift={label_shift!r} must be a non-negative integer")
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise ConfigError(f"ignore_index={ignore_index!r} must be an integer")
-        if loss_tokens_fn is not None and not callable(loss_tokens_fn):
-            raise ConfigError(f"loss_tokens_fn={loss_tokens_fn!r} is not callable")
-        for name, flag in (("step_meta", step_meta), ("with_step_info", with_step_info)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{name}={flag!r} must be a bool")
-        iterable = isinstance(dataset, IterableDataset)
-        if iterable and (shuffle or sampler is not None):
-            raise ConfigError(
-                "shuffle and sampler apply to map-style datasets; an IterableDataset "
-                "defines its own order"
-            )
-        if isinstance(sampler, DistributedSampler) and partition:
-            raise ConfigError(
-                "sampler=DistributedSampler already splits (and pads with duplicates) the "
-                "dataset across ranks; ODBDataLoader splits it itself with no duplicates: "
-                "drop the sampler (use shuffle=True and seed=), or pass partition=False"
-            )
-        if sampler is not None and shuffle:
-            raise ConfigError("sampler and shuffle=True are mutually exclusive (as in DataLoader)")
-        if str(getattr(mode, "value", mode)) == Mode.QUOTA.value and (
-            iterable or id_fn is not None
-        ):
-            raise ConfigError(
-                "mode='quota' carries the samples an epoch did not emit into the next one by "
-                "dataset index, which needs a map-style dataset whose sample ids are its "
-                f"indices; got {'an IterableDataset' if iterable else 'id_fn='}"
-            )
-        if not iterable and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-            raise ConfigError(
-                f"dataset {type(dataset).__name__} is neither an IterableDataset nor a sized "
-                "map-style dataset (__getitem__ and __len__)"
-            )
+        # Every keyword argument, grouped and checked in one place before anything
+        # is applied (torch/options.py).
+        args = {k: v for k, v in locals().items() if k not in ("self", "dataset")}
+        self.options = LoaderOptions.of(**args)
+        iterable = self.options.check_dataset(dataset)
 
         self.dataset = dataset
         self.transport: Transport = self._make_transport(peer_timeout)
