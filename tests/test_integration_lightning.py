@@ -275,7 +275,7 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
         # the checkpoint state (the prefetched batch taken back) is always derivable
-        trainer.datamodule._local_state()
+        trainer.datamodule.passes.state()
         self.checked_states += 1
         if self.stop_at is not None and trainer.global_step == self.stop_at:
             # What Lightning's own stateful-loader path would save: the loader's state
@@ -799,7 +799,6 @@ def test_bad_input() -> None:
         ODBDataModule(ds)
     with pytest.raises(ConfigError, match="unknown"):
         ODBDataModule(ds, token_budget=256, tokenbudget=3)
-    odb_pl._warned.discard("batch_size")
     with pytest.warns(UserWarning, match="batch_size=8.*ignored"):
         ODBDataModule(ds, token_budget=256, batch_size=8)
     with warnings.catch_warnings():

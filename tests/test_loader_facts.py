@@ -208,3 +208,101 @@ def test_an_odb_loader_under_accelerate_accumulation_raises_naming_the_fix() -> 
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     list(loader(Text(12)))  # no live Accelerator: no error
+
+
+# ---- the facts the adapters share: prefetched passes, the updates plan, the options,
+# ---- the checkpoint folder
+
+
+def test_prefetched_passes_save_the_state_of_the_batch_in_training() -> None:
+    """One batch ahead: the state saved is the one taken right after the batch in
+    training, not after the prefetched one; a deeper prefetch or a foreign step
+    is refused."""
+    from odb_core.errors import ODBError
+    from odb_core.torch.meta import step_meta
+    from odb_core.torch.prefetch import PrefetchedPasses
+
+    dl = loader(Text(40), step_meta=True)
+    passes = PrefetchedPasses(dl, depth=1)
+    assert passes.state() == dl.state_dict()  # nothing yielded yet
+    snaps, steps, prev = [], [], None
+    for batch in passes:
+        step = step_meta(batch).step
+        if prev is not None:  # Lightning: the previous batch trains while this one waits
+            passes.start(prev)
+            assert passes.state() == snaps[-1]  # taken right after step prev
+            assert passes.progress() == dl.progress_after(prev)
+            with pytest.raises(ODBError, match="not among the batches"):
+                passes.start(step + 1)
+        snaps.append(dl.state_dict())
+        steps.append(step)
+        prev = step
+    assert passes.ended and len(steps) > 3
+    passes.start(steps[-1])
+    assert passes.state() == snaps[-1]
+    assert passes.progress() == dl.run_progress
+    with pytest.raises(ODBError, match="not among the batches"):
+        passes.start(steps[-3])
+
+
+def test_updates_plan_is_the_loaders_estimates_in_windows() -> None:
+    from odb_core.torch.plan import updates_plan
+
+    dl = loader(Text(60), grad_accum_steps=3)
+    plan = updates_plan(dl, 4)
+    assert plan is not None
+    upper, planned = dl.steps_estimate().upper, dl.planned_steps().steps
+    assert plan.upper == 4 * -(-upper // 3) and plan.planned == 4 * -(-planned // 3)
+    assert plan.epoch_cap == -(-dl.step_bound() // 3) + 1 > plan.upper // 4
+
+
+def test_adapter_options_are_checked_once_naming_the_value() -> None:
+    from odb_core.torch.adapter_options import check_dataset, check_options
+
+    warned: set[str] = set()
+    owned = {"grad_accum_steps": "set accumulate_grad_batches"}
+    assert check_options("X", {"token_budget": 8, "shuffle": True}, owned, warned) == {
+        "token_budget": 8,
+        "shuffle": True,
+    }
+    for bad, match in [
+        ({"token_budget": 8, "tokenbudget": 3}, r"unknown .*\['tokenbudget'\]"),
+        ({"shuffle": True}, "needs token_budget"),
+        ({"token_budget": 8, "grad_accum_steps": 2}, "grad_accum_steps=2: set accumulate"),
+        ({"token_budget": 8, "drop_last": True}, "drop_last=True: ODB emits"),
+        ({"token_budget": 8, "step_meta": False}, "step_meta=False"),
+        ({"token_budget": 8, "with_step_info": True}, "with_step_info=True"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            check_options("X", bad, owned, warned)
+    with pytest.warns(UserWarning, match=r"X\(batch_size=4\) is ignored"):
+        kept = check_options("X", {"token_budget": 8, "batch_size": 4}, owned, warned)
+    assert kept == {"token_budget": 8}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_options("X", {"token_budget": 8, "batch_size": 4}, owned, warned)  # said once
+    with pytest.raises(ConfigError, match="train_dataset is a DataLoader: X builds"):
+        check_dataset("X", "train_dataset", torch.utils.data.DataLoader(Text(4)), "fix")
+    check_dataset("X", "train_dataset", Text(4), "fix")
+
+
+def test_a_checkpoint_folder_holds_the_entry_or_the_older_per_rank_files(tmp_path: Any) -> None:
+    import json
+
+    from odb_core.torch.checkpoint import read_states, write_states
+
+    dl = loader(Text(30))
+    next(iter(dl))
+    entry = gather_states(dl)
+    assert read_states(tmp_path) is None
+    write_states(tmp_path / "ckpt", entry)
+    assert read_states(tmp_path / "ckpt") == json.loads(json.dumps(entry))
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "odb_loader_rank0.json").write_text(json.dumps(entry["ranks"][0]))
+    back = read_states(old)
+    assert back is not None and back["format"] == STATES_FORMAT
+    assert back["ranks"] == json.loads(json.dumps(entry["ranks"]))
+    (old / "odb_loader_rank2.json").write_text("{}")
+    with pytest.raises(ResumeStateError, match=r"ranks \[0, 2\]"):
+        read_states(old)

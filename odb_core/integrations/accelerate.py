@@ -12,44 +12,15 @@
                 accelerator.backward(scaled_loss(meta, model(**batch).loss))
                 optimizer.step(); scheduler.step(); optimizer.zero_grad()  # only at window ends
 
-What Accelerate 1.16 does, and what the adapter does about it:
-
-- `accelerator.prepare()` wraps only `torch.utils.data.DataLoader`s; an
-  `ODBDataLoader` comes back untouched, so batches stay on the CPU, Accelerate's
-  `end_of_dataloader` stays False and nothing saves the loader's position. The
-  adapter moves each batch (its `odb_step` metadata tensor with it) with
-  `accelerate.utils.send_to_device`, registers itself as the active data loader
-  through Accelerate's `DataLoaderStateMixin` (so `gradient_state.end_of_dataloader`
-  is True on the epoch's last batch), and registers its state for
-  `accelerator.save_state` / `load_state`.
-- Windows: `accelerator.accumulate()` counts its own windows
-  (`gradient_accumulation_steps` batches, restarting at the end of the data
-  loader) and `accelerator.backward()` divides every loss by
-  `gradient_accumulation_steps`. The loader decides the windows (the same step on
-  every rank; `grad_accum_steps=G` or `tokens_per_update=T`) and its loss scale
-  already normalises over the whole window, so Accelerate must not count or divide
-  again: keep `Accelerator(gradient_accumulation_steps=1)` (anything else raises
-  `ConfigError`). For every batch the adapter sets `accelerator.sync_gradients`
-  from the step's metadata (True on the window's last step, so the epoch's short
-  last window is stepped too); `AcceleratedOptimizer.step`/`zero_grad` and
-  `AcceleratedScheduler.step` are no-ops while it is False, and
-  `train.accumulate(model)` enters `accelerator.no_sync(model)` on the other steps,
-  so no unsynchronised gradient is left at a window's end.
-  `accelerator.accumulate(model)` would re-decide the windows from its own counter:
-  with windows of one step it agrees, otherwise the adapter raises at the next batch.
-- Checkpoints: `accelerator.save_state` calls `state_dict()` on every rank and
-  rank 0 writes it; the adapter's state is every rank's loader state
-  (`odb_core.torch.checkpoint`, the one format of every adapter), so
-  `load_state` resumes mid-epoch exactly once, at the same world size rank by
-  rank, at another one merged. Call
-  `prepare_odb_loader` in the same order in the run that loads (Accelerate
-  numbers registered objects), and do not call `accelerator.skip_first_batches`:
-  the loader resumes after the last batch it yielded before the save.
-- Length: `len(train)` is the loader's upper estimate of an epoch's steps (the same
-  every epoch); the loop ends when the loader ends the epoch. For the LR schedule,
-  `ProgressLR(optimizer, train, epochs=...)` runs on `train.run_progress`, the run's
-  exact progress: Accelerate's prepared scheduler steps it `num_processes` times per
-  update (unless `split_batches=True`), which it does not notice.
+What Accelerate 1.16 does (`prepare()` wraps only torch DataLoaders, `accumulate()`
+counts its own windows, `backward()` divides by `gradient_accumulation_steps`) and
+what the adapter does about it: docs/TRAINERS.md, "Accelerate". In short: batches
+move to the device, `accelerator.sync_gradients` follows the loader's windows (keep
+`Accelerator(gradient_accumulation_steps=1)`; anything else raises),
+`end_of_dataloader` is set on the epoch's last batch, and `save_state`/`load_state`
+carry every rank's loader state (`odb_core.torch.checkpoint`). Call
+`prepare_odb_loader` in the same order in the run that loads, and do not call
+`accelerator.skip_first_batches`.
 """
 
 from __future__ import annotations
@@ -66,7 +37,8 @@ from accelerate.state import GradientState  # type: ignore[import-untyped]
 from accelerate.utils import DistributedType, send_to_device  # type: ignore[import-untyped]
 
 from odb_core.errors import ConfigError
-from odb_core.integrations.versions import check_version, warn_once
+from odb_core.integrations import versions
+from odb_core.integrations.versions import warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
 from odb_core.torch.checkpoint import gather_states, load_states
@@ -82,13 +54,10 @@ __all__ = [
 #: Accelerate versions the adapter is tested with (the `[accelerate]` extra's range is
 #: preferred when odb-core's metadata declares one).
 SUPPORTED_ACCELERATE = ">=1.16,<1.17"
-#: Accelerate internals the adapter relies on (checked on 1.16), the only ones:
-#: `check_accelerate_version` raises when one is missing.
-PRIVATE_MEMBERS = {
-    "accelerate.data_loader.DataLoaderStateMixin": "begin()/end(): the active data loader",
-    "accelerate.state.GradientState": "end_of_dataloader, the shared gradient state",
-    "Accelerator.sync_gradients (setter)": "the loader's window boundary",
-}
+#: Accelerate internals the adapter relies on (the only ones; listed with every
+#: adapter's in `versions.PRIVATE_MEMBERS`): `check_accelerate_version` raises when one
+#: is missing.
+PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["accelerate"]
 _UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed scales and accumulates gradients in its own engine",
     DistributedType.MEGATRON_LM: "Megatron-LM runs its own data and accumulation loop",
@@ -104,18 +73,16 @@ def _warn_once(key: str, message: str) -> None:
 def check_accelerate_version(version: str | None = None) -> bool:
     """Warn once when `accelerate.__version__` is outside the supported range; raise
     `ConfigError` when a member the adapter relies on is missing."""
-    relied = {
-        "DataLoaderStateMixin.begin": DataLoaderStateMixin,
-        "DataLoaderStateMixin.end": DataLoaderStateMixin,
-        "GradientState.end_of_dataloader": GradientState,
-        "Accelerator.sync_gradients": Accelerator,
-    }
-    return check_version(
+    return versions.gate(
         "accelerate",
         accelerate.__version__ if version is None else version,
+        {
+            "DataLoaderStateMixin": DataLoaderStateMixin,
+            "GradientState": GradientState,
+            "Accelerator": Accelerator,
+        },
         extra="accelerate",
         fallback=SUPPORTED_ACCELERATE,
-        missing=[n for n, c in relied.items() if not hasattr(c, n.split(".")[1])],
         relies="Accelerate's gradient state, no_sync and custom checkpoint objects",
         warned=_warned,
     )

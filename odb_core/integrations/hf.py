@@ -11,50 +11,16 @@ is an `ODBDataLoader` built from `train_dataset` and `data_collator`.
     )
     trainer.train()                       # or trainer.train(resume_from_checkpoint=True)
 
-What transformers 5.24's Trainer does, and what the adapter does about it (through
-overridable methods and a callback; the members that are not public API are listed
-in `PRIVATE_MEMBERS`; nothing in transformers is patched):
-
-- **Length and epochs.** The Trainer sizes its loop from `len(train_dataloader)`:
-  `max_steps = epochs x len // G`, an epoch stops after that many optimizer
-  steps, and `DefaultFlowCallback` stops training at `max_steps`. An ODB epoch's
-  step count is decided online and changes from epoch to epoch, so any length
-  would cut some epoch short or run into the next one. `set_initial_training_values`
-  gives the loop a per-epoch cap that no epoch can reach (one step per sample),
-  and the epoch ends when the loader's does (`get_batch_samples` sees the end and
-  sets `should_epoch_stop`); training stops after `num_train_epochs` loader
-  epochs (`should_training_stop`). `lr_scheduler_type` (linear, cosine, constant,
-  constant_with_warmup, cosine_with_min_lr) runs as a `ProgressLR` on the run's
-  exact progress (hf_lr.py), so it ends on the last update; another type is sized
-  from the loader's upper step estimate and clamped (`ClampedLR`: it never steps
-  past its end). `state.max_steps` and the progress bar show the planned total
-  (the loader's estimate before any epoch), raised when the run outlasts it and
-  set to the real count at the end. `max_steps > 0` keeps its meaning: stop after
-  that many optimizer steps (the Trainer's own schedule, sized to them).
-- **Windows.** `gradient_accumulation_steps=G` becomes the loader's
-  `grad_accum_steps=G`, so the loader decides the windows (G steps from the
-  epoch start, the epoch's last one shorter). `get_batch_samples` hands the loop
-  one whole window; the Trainer steps the optimizer when its micro-step counter
-  reaches a multiple of G, so a short last window of k steps is preceded by
-  G - k empty fill entries that `training_step` skips (no forward, no backward,
-  no collective): the Trainer steps the optimizer right after the window's last
-  real backward, which is the one it runs outside `no_sync`.
-- **Loss.** The Trainer divides by `num_items_in_batch` (which it counts itself),
-  by `gradient_accumulation_steps` and multiplies by the world size
-  (`average_tokens_across_devices`). `compute_loss` pops the batch's step
-  metadata and passes `num_items_in_batch = window_loss_tokens / world_size` (the
-  core's window-wide count; the Trainer's own multiplier undone), so the loss is
-  Σ token CE x W / window_loss_tokens and DDP's average makes the update the
-  exact per-token mean over the window's real tokens on every rank.
-  `loss_is_scaled_for_ga = True` stops the division by G. A model that takes no
-  loss kwargs (and no `compute_loss_func`): its mean loss times `meta.loss_scale`.
-- **Resume.** The Trainer fast-forwards a resumed epoch with `skip_first_batches`,
-  which needs a torch DataLoader. At each save (`on_save`, every rank) the
-  checkpoint folder gets every rank's loader state in the one format of every
-  adapter (`odb_loader_states.json`, `odb_core.torch.checkpoint`) and the schedule
-  length (`odb_trainer.json`); `train(resume_from_checkpoint=...)` loads them into the new
-  loader before the loop starts, and the Trainer's own fast-forward is off
-  (`ignore_data_skip` during `train()`).
+What transformers 5.24's Trainer does (its loop sized from `len(train_dataloader)`,
+G micro-batches per optimizer step, its own loss normalisation, `skip_first_batches`
+on resume) and what the adapter does about it, through overridable methods and one
+callback (the members that are not public API are in `PRIVATE_MEMBERS`; nothing is
+patched): docs/TRAINERS.md, "Hugging Face Trainer". In short: an epoch ends with
+the loader's (`loader.step_bound()` keeps the Trainer's per-epoch cap out of reach),
+`get_batch_samples` hands the loop one loader window (a short one preceded by empty
+fill entries), `compute_loss` normalises by the window's loss tokens
+(`meta.loss_denominator`), and each checkpoint folder holds every rank's loader
+state (`odb_core.torch.checkpoint`, the format of every adapter).
 """
 
 from __future__ import annotations
@@ -70,7 +36,7 @@ from typing import Any, cast
 
 import torch
 import transformers
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import (
@@ -82,12 +48,20 @@ from transformers.trainer_utils import (
 
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
+from odb_core.integrations import versions
 from odb_core.integrations.hf_lr import ClampedLR, progress_schedule
-from odb_core.integrations.versions import check_version, deprecated_names, warn_once
+from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.schedule import TokenScaling
 from odb_core.torch import ODBDataLoader, ProgressLR
-from odb_core.torch.checkpoint import STATES_FORMAT, STATES_VERSION, gather_states, load_states
+from odb_core.torch.adapter_options import check_dataset, check_options
+from odb_core.torch.checkpoint import (
+    STATES_FILE,
+    gather_states,
+    load_states,
+    read_states,
+    write_states,
+)
 from odb_core.torch.meta import (
     STEP_META_KEY,
     pop_step_meta,
@@ -95,6 +69,7 @@ from odb_core.torch.meta import (
     step_meta,
     zero_if_unweighted,
 )
+from odb_core.torch.plan import updates_plan
 
 __all__ = [
     "PRIVATE_MEMBERS",
@@ -110,9 +85,7 @@ log = logging.getLogger("odb_core")
 #: The transformers versions this adapter is tested with (the `[hf]` extra's
 #: range, read from odb-core's metadata when installed; this is the fallback).
 SUPPORTED_TRANSFORMERS = ">=5.24.0,<5.25"
-#: Files each checkpoint folder gets.
-LOADER_STATES = "odb_loader_states.json"
-_OLD_LOADER_STATE = "odb_loader_rank*.json"  # before odb_loader_states.json: read once
+#: The file each checkpoint folder gets beside the loader states (checkpoint.STATES_FILE).
 TRAINER_STATE = "odb_trainer.json"
 
 #: ODBDataLoader arguments the trainer sets itself, and where to set them instead.
@@ -131,11 +104,6 @@ _OWNED = {
     "persistent_workers": "set TrainingArguments(dataloader_persistent_workers=...)",
     "prefetch_factor": "set TrainingArguments(dataloader_prefetch_factor=...)",
     "multiprocessing_context": "set TrainingArguments(dataloader_multiprocessing_context=...)",
-    "batch_size": "ODB sizes each batch by token_budget (cap samples with max_samples=)",
-    "batch_sampler": "the loader forms the batches",
-    "drop_last": "ODB emits every sample of an epoch exactly once",
-    "with_step_info": "the trainer reads the metadata carried in each batch",
-    "step_meta": "the trainer reads the metadata carried in each batch",
 }
 
 #: ODBArguments fields for the trainer, not the loader.
@@ -149,31 +117,21 @@ def _warn_once(key: str, message: str) -> None:
 
 
 #: Trainer members that are not public API, what the adapter uses each for, and the
-#: transformers versions they were checked on; `check_transformers_version` raises
-#: when one is missing. Everything else goes through public methods and callbacks.
-PRIVATE_MEMBERS = {
-    "Trainer.set_initial_training_values": "its 7-tuple: the loop's sizes (5.24)",
-    "Trainer.get_batch_samples": "one optimizer window per fetch (5.24)",
-    "Trainer.loss_is_scaled_for_ga": "no division by gradient_accumulation_steps (5.24)",
-    "Trainer.get_tp_size": "the factor average_tokens_across_devices applies (5.24)",
-    "Trainer._get_collator_with_removed_columns": "remove_unused_columns (5.24)",
-    "ProgressCallback.training_bar": "the bar's total follows the plan (5.24)",
-}
+#: transformers versions they were checked on (listed with every adapter's in
+#: `versions.PRIVATE_MEMBERS`); `check_transformers_version` raises when one is
+#: missing. Everything else goes through public methods and callbacks.
+PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["transformers"]
 
 
 def check_transformers_version(version: str | None = None) -> bool:
     """Warn once when `transformers.__version__` is outside the supported range;
     raise `ConfigError` when the Trainer lacks a member the adapter relies on."""
-    return check_version(
+    return versions.gate(
         "transformers",
         transformers.__version__ if version is None else version,
+        {"Trainer": Trainer},  # ProgressCallback.training_bar is set per instance
         extra="hf",
         fallback=SUPPORTED_TRANSFORMERS,
-        missing=[
-            n
-            for n in PRIVATE_MEMBERS
-            if n.startswith("Trainer.") and not hasattr(Trainer, n.split(".", 1)[1])
-        ],
         relies="how Trainer's loop counts gradient accumulation steps and normalises the loss",
         warned=_warned,
     )
@@ -238,12 +196,10 @@ class ODBArguments:
             if f.name not in _TRAINER_FIELDS and getattr(self, f.name) is not None
         }
         for key, value in self.loader_kwargs.items():
-            if key in _OWNED:
-                raise ConfigError(f"odb option {key}={value!r}: {_OWNED[key]}")
             if key in opts:
                 raise ConfigError(f"odb option {key!r} given twice")
             opts[key] = value
-        return opts
+        return check_options("ODBHFTrainer odb", opts, _OWNED, _warned)
 
 
 # ---- what the Trainer's loop iterates ----------------------------------------------------
@@ -310,7 +266,6 @@ class ODBHFTrainer(Trainer):
         self._odb_saved_plan: int | None = None
         self._odb_planned_updates: int | None = None  # state.max_steps, the planned total
         self._odb_target_epochs: int | None = None
-        self._odb_epoch_steps_estimate = 0
         self._check_args()
         self._check_train_dataset(self.train_dataset)
         # First in line: its on_step_end keeps state.max_steps ahead of global_step
@@ -378,12 +333,13 @@ class ODBHFTrainer(Trainer):
 
     @staticmethod
     def _check_train_dataset(dataset: Any) -> None:
-        if isinstance(dataset, (DataLoader, ODBDataLoader, _TrainBatches)):
-            raise ConfigError(
-                f"train_dataset is a {type(dataset).__name__}: ODBHFTrainer builds its own "
-                "ODBDataLoader from train_dataset and data_collator. Pass the dataset itself "
-                "(train_dataset=loader.dataset) and the loader options as odb=ODBArguments(...)"
-            )
+        check_dataset(
+            "ODBHFTrainer",
+            "train_dataset",
+            dataset,
+            "Pass the dataset itself (train_dataset=loader.dataset) and the loader options "
+            "as odb=ODBArguments(...)",
+        )
 
     # ---- the train dataloader ------------------------------------------------------------
 
@@ -440,33 +396,22 @@ class ODBHFTrainer(Trainer):
                 "get_train_dataloader; pass the dataset and odb=ODBArguments(...) instead"
             )
         loader = batches.loader
-        accum = args.gradient_accumulation_steps
-        dataset = loader.dataset
-        sized = not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__")
-        samples = len(dataset) if sized else 0
-        bound = loader.step_bound()  # a per-epoch cap no epoch reaches
-        estimate = loader.steps_estimate() if sized else None
-        if estimate is not None:
-            self._odb_epoch_steps_estimate = max(1, estimate.steps)
-        if args.max_steps > 0:
-            self._odb_target_epochs = None
-            max_steps = args.max_steps
-            epochs = sys.maxsize
-            per_epoch = loader.optimizer_steps(bound) + 1 if bound else max_steps
-            schedule = planned = max_steps
-        else:
-            assert estimate is not None and bound  # the Trainer rejects an unsized dataset
-            epochs = self._whole_epochs(args.num_train_epochs)
-            self._odb_target_epochs = epochs
-            per_epoch = loader.optimizer_steps(bound) + 1
+        accum, max_steps = args.gradient_accumulation_steps, args.max_steps
+        by_epochs = max_steps <= 0
+        epochs = self._whole_epochs(args.num_train_epochs) if by_epochs else sys.maxsize
+        plan = updates_plan(loader, epochs if by_epochs else 1)
+        per_epoch = plan.epoch_cap if plan is not None else max_steps
+        self._odb_target_epochs = epochs if by_epochs else None
+        schedule = planned = max_steps
+        if by_epochs:
+            assert plan is not None  # the Trainer rejects an unsized dataset
             max_steps = epochs * per_epoch
-            schedule = self._odb_saved_schedule or epochs * loader.optimizer_steps(estimate.upper)
-            planned = self._odb_saved_plan or epochs * loader.optimizer_steps(
-                loader.planned_steps().steps
-            )
-        self._odb_schedule_steps = schedule
-        self._odb_planned_updates = planned
-        if estimate is not None:
+            schedule = self._odb_saved_schedule or plan.upper
+            planned = self._odb_saved_plan or plan.planned
+        self._odb_schedule_steps, self._odb_planned_updates = schedule, planned
+        samples = len(loader.dataset) if plan is not None else 0
+        if plan is not None:
+            estimate = plan.estimate
             log.info(
                 "odb: an epoch is estimated at %d steps (upper %d; %s); LR schedule and "
                 "progress bar sized to %d optimizer steps; the Trainer's step cap (%d per "
@@ -478,10 +423,12 @@ class ODBHFTrainer(Trainer):
                 per_epoch,
             )
         per_update = (
-            max(1, round(samples * accum / estimate.steps)) if estimate else args.world_size
+            max(1, round(samples * accum / max(1, plan.estimate.steps)))
+            if plan is not None
+            else args.world_size
         )
-        num_examples = samples if sized else max_steps * per_update
-        train_samples = samples * epochs if args.max_steps <= 0 else max_steps * per_update
+        num_examples = samples if plan is not None else max_steps * per_update
+        train_samples = samples * epochs if by_epochs else max_steps * per_update
         return (
             epochs,
             per_epoch,
@@ -585,9 +532,6 @@ class ODBHFTrainer(Trainer):
         epoch = loader.epoch  # the epoch it has just finished
         self.state.epoch = float(epoch + 1)
         self.control.should_epoch_stop = True
-        estimate = loader.steps_estimate() if self._odb_epoch_steps_estimate else None
-        if estimate is not None:
-            self._odb_epoch_steps_estimate = max(1, estimate.steps)
         target = self._odb_target_epochs
         if target is None or epoch + 1 < target:
             return
@@ -699,9 +643,7 @@ class ODBHFTrainer(Trainer):
         states = gather_states(loader)
         if not self.args.should_save:
             return
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        _write_json(folder / LOADER_STATES, states)
+        write_states(folder, states)
         trainer = {
             "schedule_steps": self._odb_schedule_steps,
             "planned_updates": self._odb_planned_updates,
@@ -709,27 +651,22 @@ class ODBHFTrainer(Trainer):
             "world_size": loader.world_size,
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
         }
-        _write_json(folder / TRAINER_STATE, trainer)
+        tmp = Path(folder, TRAINER_STATE + ".tmp")
+        tmp.write_text(json.dumps(trainer))
+        os.replace(tmp, Path(folder, TRAINER_STATE))
 
     def _load_odb_state(self, folder: str) -> None:
         loader = self.odb_loader
         assert loader is not None
         path = Path(folder)
-        if (path / LOADER_STATES).exists():
-            load_states(loader, json.loads((path / LOADER_STATES).read_text()))
-        else:  # odb-core before one format: a file per rank, read once
-            files = sorted(path.glob(_OLD_LOADER_STATE))
-            if not files:
-                raise ConfigError(
-                    f"checkpoint {folder} has no ODB loader state ({LOADER_STATES}): it was not "
-                    "written by ODBHFTrainer, so the epoch cannot resume exactly once. Resume "
-                    "from a checkpoint ODBHFTrainer saved, or start the training anew"
-                )
-            ranks = {int(f.stem.rsplit("rank", 1)[1]): json.loads(f.read_text()) for f in files}
-            if sorted(ranks) != list(range(len(ranks))):
-                raise ConfigError(f"checkpoint {folder}: loader states of ranks {sorted(ranks)}")
-            entry = {"format": STATES_FORMAT, "version": STATES_VERSION, "ranks": []}
-            load_states(loader, {**entry, "ranks": [ranks[r] for r in range(len(ranks))]})
+        entry = read_states(path)
+        if entry is None:
+            raise ConfigError(
+                f"checkpoint {folder} has no ODB loader state ({STATES_FILE}): it was not "
+                "written by ODBHFTrainer, so the epoch cannot resume exactly once. Resume "
+                "from a checkpoint ODBHFTrainer saved, or start the training anew"
+            )
+        load_states(loader, entry)
         meta_file = path / TRAINER_STATE
         if meta_file.exists():
             saved = json.loads(meta_file.read_text())
@@ -776,11 +713,10 @@ class _ODBCallback(TrainerCallback):
         if t._odb_target_epochs is not None and state.global_step >= state.max_steps:
             # The run outlasts its planned total: the epochs, not the plan, end it.
             state.max_steps = state.global_step + 1
-        loader, infos = t.odb_loader, t.odb_window_info
-        if loader is not None and infos and infos[-1] is not None:
-            done = infos[-1].step + 1
-            fraction = min(done / max(1, t._odb_epoch_steps_estimate), 0.999)
-            state.epoch = loader.epoch + fraction
+        if t.odb_loader is not None:  # the epoch's samples done (0.999 at most: it ends later)
+            p = t.odb_loader.run_progress
+            done = min(p.samples / p.epoch_samples, 0.999) if p.epoch_samples else 0.0
+            state.epoch = p.epoch + done
         for bar in self._bars():
             if bar.total is not None and bar.total < state.max_steps:
                 bar.total = state.max_steps
@@ -816,12 +752,6 @@ def _field_default(cls: type, name: str) -> Any:
         if f.name == name:
             return f.default
     return None
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 __getattr__ = deprecated_names(__name__, {"ODBTrainer": ("ODBHFTrainer", ODBHFTrainer)})

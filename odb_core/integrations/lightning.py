@@ -10,43 +10,18 @@
         loss = scaled_loss(meta, self.model(**batch).loss)
         return lightning_loss(self, loss)                 # undoes Lightning's `/ G`
 
-What Lightning does, and what the adapter does about it (Lightning 2.6):
-
-- Lightning stops an epoch at `len(train_dataloader)` and, when a length exists,
-  stops prefetching and flags the last batch by count. An epoch's step count is
-  decided online (`len(loader)` is an estimate), so Lightning gets an iterable
-  with no length: it prefetches one batch, ends the epoch when the loader does,
-  and knows the last batch (so the epoch's short last window is stepped).
-- Because of that prefetch, `loader.step_info` describes the batch *after* the
-  one in `training_step`; the metadata travels in the batch (`pop_step_meta`).
-- Lightning divides what `training_step` returns by `accumulate_grad_batches`,
-  also on the epoch's short last window; the loader's scale already normalises
-  over the whole window, so `lightning_loss` multiplies it back.
-  Lightning's windows (G batches from the epoch start, the last one at the
-  epoch's end) are the loader's with `grad_accum_steps=G`: the DataModule sets it
-  from the Trainer, and the callback checks every step that Lightning stepped the
-  optimizer exactly where the window closed.
-- Epochs: the loader advances its own epoch each time Lightning iterates it
-  again (Lightning's `set_epoch` goes to a `sampler` attribute, which there is
-  none of); the callback checks the loader's epoch against `trainer.current_epoch`.
-- Checkpoints: Lightning writes the checkpoint from rank 0 and, under its prefetch,
-  the loader has already yielded the next batch. `ODBDataModule.state_dict()`
-  (saved in the checkpoint, resumed from `ckpt_path`) holds every rank's state as
-  of the last batch that *started training* (`loader.state_after(step)`, gathered
-  by `odb_core.torch.checkpoint`, the format of every adapter), so a resume
-  covers the epoch exactly once. `trainer.save_checkpoint` must run on every
-  rank, as Lightning documents.
-- `trainer.estimated_stepping_batches` reads the length, so Lightning reports
-  `max_steps` (-1); `ODBLightningTrainer` (or `estimated_stepping_batches(trainer)`) sizes it
-  from the loader's upper estimate instead. `ODBProgressBar` shows the estimate.
-- LR schedules: `ProgressLR(opt, datamodule, epochs=...)` in `configure_optimizers`
-  (interval "step"); `ODBDataModule.run_progress` is the loader's progress as of
-  the batch that is training, not of the one Lightning prefetched.
+What Lightning 2.6's fit loop does (it prefetches one batch, ends an epoch at
+`len()`, divides the loss by `accumulate_grad_batches`, saves from rank 0) and what
+the adapter does about it: docs/TRAINERS.md, "Lightning". In short: Lightning gets
+the loader without a length, so it ends the epoch with the loader and knows its last
+batch; the metadata travels in the batch; the loader's windows are Lightning's
+(`grad_accum_steps = accumulate_grad_batches`, checked at every step); the
+checkpoint holds every rank's state as of the batch in training, not the prefetched
+one (`odb_core.torch.prefetch`, `odb_core.torch.checkpoint`).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -56,14 +31,16 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.strategies import Strategy
-from torch.utils.data import DataLoader
 
 from odb_core.errors import ConfigError, ODBError
-from odb_core.integrations.versions import check_version, deprecated_names, warn_once
+from odb_core.integrations import versions
+from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
-from odb_core.protocol import StepInfo
 from odb_core.torch import ODBDataLoader, StepMeta, step_meta
+from odb_core.torch.adapter_options import check_dataset, check_options
 from odb_core.torch.checkpoint import gather_states, load_states, states_of
+from odb_core.torch.plan import UpdatesPlan, updates_plan
+from odb_core.torch.prefetch import PrefetchedPasses
 
 __all__ = [
     "PRIVATE_MEMBERS",
@@ -81,15 +58,15 @@ __all__ = [
 #: Lightning versions the adapter is tested with (the `[lightning]` extra's range is
 #: preferred when odb-core's metadata declares one).
 SUPPORTED_LIGHTNING = ">=2.6,<2.7"
-#: Lightning members the adapter relies on (all public API; checked on 2.6):
-#: `check_lightning_version` raises when one is missing.
-PRIVATE_MEMBERS: dict[str, str] = {}
+#: Lightning members the adapter relies on that are not public API: none (the
+#: `versions.PRIVATE_MEMBERS` entry). `check_lightning_version` raises when one of
+#: these, or of the public members in `_RELIES_ON` (checked on 2.6), is missing.
+PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["lightning"]
 _RELIES_ON = (
-    (pl.Trainer, "estimated_stepping_batches"),
-    (Strategy, "handles_gradient_accumulation"),
-    (TQDMProgressBar, "total_train_batches"),
+    "Trainer.estimated_stepping_batches",
+    "Strategy.handles_gradient_accumulation",
+    "TQDMProgressBar.total_train_batches",
 )
-_LOADER_ARGS = frozenset(inspect.signature(ODBDataLoader.__init__).parameters) - {"self"}
 _warned: set[str] = set()
 
 
@@ -104,12 +81,13 @@ def _warn_once(key: str, message: str) -> None:
 def check_lightning_version(version: str | None = None) -> bool:
     """Warn once when `lightning.__version__` is outside the supported range; raise
     `ConfigError` when a member the adapter relies on is missing."""
-    return check_version(
+    return versions.gate(
         "lightning",
         lightning.__version__ if version is None else version,
+        {"Trainer": pl.Trainer, "Strategy": Strategy, "TQDMProgressBar": TQDMProgressBar},
+        public=_RELIES_ON,
         extra="lightning",
         fallback=SUPPORTED_LIGHTNING,
-        missing=[f"{c.__name__}.{a}" for c, a in _RELIES_ON if not hasattr(c, a)],
         relies="Lightning's fit loop (prefetch, gradient accumulation, checkpoint hooks)",
         warned=_warned,
     )
@@ -152,66 +130,28 @@ class ODBDataModule(pl.LightningDataModule):
     `state_dict()` holds every rank's loader state for Lightning's checkpoint.
     """
 
-    def __init__(
-        self,
-        dataset: Any,
-        *,
-        collate_fn: Any = None,
-        batch_size: object = None,
-        drop_last: bool = False,
-        **loader_options: Any,
-    ) -> None:
+    def __init__(self, dataset: Any, *, collate_fn: Any = None, **loader_options: Any) -> None:
         super().__init__()
         check_lightning_version()
-        if isinstance(dataset, ODBDataLoader):
-            raise ConfigError(
-                "ODBDataModule takes the dataset, not an ODBDataLoader: pass "
-                "ODBDataModule(dataset, collate_fn=..., token_budget=..., ...); it builds the "
-                "loader inside trainer.fit, once Lightning has started the process group"
-            )
-        if isinstance(dataset, DataLoader):
-            raise ConfigError(
-                "ODBDataModule was handed a torch DataLoader; it takes the dataset and "
-                "forms token-budget batches itself: ODBDataModule(loader.dataset, "
-                "collate_fn=loader.collate_fn, token_budget=...) (no batch_size, no sampler)"
-            )
-        if drop_last:
-            raise ConfigError(
-                "drop_last=True would drop samples; ODB emits every sample of the epoch "
-                "exactly once and keeps ranks aligned with pad steps: remove drop_last"
-            )
-        if batch_size is not None:
-            _warn_once(
-                "batch_size",
-                f"ODBDataModule(batch_size={batch_size!r}) is ignored: ODB sizes every batch "
-                "by token_budget (cap the samples per batch with max_samples=)",
-            )
-        unknown = sorted(set(loader_options) - _LOADER_ARGS)
-        if unknown:
-            raise ConfigError(f"unknown ODBDataLoader option(s) {unknown}")
-        if "token_budget" not in loader_options:
-            raise ConfigError("ODBDataModule needs token_budget= (tokens per batch per rank)")
-        if loader_options.get("with_step_info"):
-            raise ConfigError(
-                "with_step_info=True changes what the loader yields; under Lightning use "
-                "meta = pop_step_meta(batch) in training_step"
-            )
-        if loader_options.get("step_meta") is False:
-            raise ConfigError(
-                "step_meta=False removes the metadata the Lightning adapter reads (Lightning "
-                "prefetches a batch, so loader.step_info is one batch ahead)"
-            )
+        check_dataset(
+            "ODBDataModule",
+            "the dataset",
+            dataset,
+            "Pass ODBDataModule(loader.dataset, collate_fn=loader.collate_fn, token_budget="
+            "...) (no batch_size, no sampler): it builds the loader inside trainer.fit, once "
+            "Lightning has started the process group",
+        )
+        loader_options = check_options("ODBDataModule", loader_options, {}, _warned)
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.loader_options = dict(loader_options)
         self.window_steps: int | None = None  # the loader's grad_accum_steps once built
         self._loader: ODBDataLoader | None = None
+        self._passes: PrefetchedPasses | None = None  # the passes Lightning iterates
         self._train = _TrainLoader(self)
         self._pending: dict[str, Any] | None = None  # the loader states of a checkpoint
-        self._reported_estimate: int | float | None = None
+        self.reported_estimate: int | float | None = None  # estimated_stepping_batches
         self._callback = ODBCallback()
-        self._reset_tracking()
-        self._iterating = False
 
     # ---- Lightning hooks ----
 
@@ -231,7 +171,7 @@ class ODBDataModule(pl.LightningDataModule):
             return dict(self._pending)
         if self._loader is None:
             return {}
-        return gather_states(self._loader, self._local_state())
+        return gather_states(self._loader, self.passes.state())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
@@ -246,6 +186,14 @@ class ODBDataModule(pl.LightningDataModule):
         if self._loader is None:
             self._loader = self._build_loader()
         return self._loader
+
+    @property
+    def passes(self) -> PrefetchedPasses:
+        """The loader's passes as Lightning iterates them, one batch ahead of training."""
+        if self._passes is None:
+            hint = "; hand Lightning the ODBDataModule, not the loader"
+            self._passes = PrefetchedPasses(self.loader, depth=1, hint=hint)
+        return self._passes
 
     def _build_loader(self) -> ODBDataLoader:
         options = dict(self.loader_options)
@@ -322,68 +270,28 @@ class ODBDataModule(pl.LightningDataModule):
         """The loader's run progress as of the batch that is training (Lightning has
         prefetched the next one), the clock of `ProgressLR(optimizer, datamodule,
         epochs=...)`: read in `configure_optimizers` via `self.trainer.datamodule`."""
-        loader = self.loader
-        last, trained = self._last, self._trained
-        if last is None or trained == last.step:
-            return loader.run_progress
-        return loader.progress_after(trained)  # None: the pass's first batch is prefetched
+        return self.passes.progress()
 
-    # ---- estimates ----
-
-    def steps_estimate(self) -> Any:
-        """The loader's `StepsEstimate` of the current (or next) epoch, or None for an
-        IterableDataset (its size is unknown before it ends)."""
-        try:
-            return self.loader.steps_estimate()
-        except TypeError:
-            return None
-
-    def optimizer_steps_estimate(self) -> int | None:
-        """An upper estimate of one epoch's optimizer steps (windows), or None."""
-        estimate = self.steps_estimate()
-        if estimate is None:
-            return None
-        return self.loader.optimizer_steps(estimate.upper)
+    def updates_plan(self, epochs: int = 1) -> UpdatesPlan | None:
+        """The loader's plan of `epochs` epochs (`odb_core.torch.plan`): its step
+        estimate and updates; None for an IterableDataset (no estimate)."""
+        return updates_plan(self.loader, epochs)
 
     # ---- iteration (Lightning's view) ----
 
-    def _reset_tracking(self) -> None:
-        self._last: StepInfo | None = None  # the batch last handed to Lightning
-        self._trained: int | None = None  # step of the last batch that started training
-        self._exhausted = False
-
     def _epoch(self) -> Iterator[Any]:
-        loader = self.loader
+        loader, passes = self.loader, self.passes
         if self._pending is not None:
             entry, self._pending = self._pending, None
             load_states(loader, entry)
-        elif self._iterating and not self._exhausted:
+        elif passes.started and not passes.ended:
             _warn_once(
                 "restart",
                 f"Lightning started a new pass over the train loader before its epoch "
                 f"{loader.epoch} ended (limit_train_batches, or an epoch ended early): that "
                 "epoch's coverage is not exactly once",
             )
-        it = iter(loader)
-        self._reset_tracking()
-        self._iterating = True
-        for batch in it:
-            self._last = loader.step_info
-            yield batch
-        self._exhausted = True
-
-    def _local_state(self) -> dict[str, Any]:
-        """This rank's state as of the last batch that started training (Lightning
-        has prefetched one more)."""
-        last, trained = self._last, self._trained
-        if last is not None and trained is not None and trained < last.step - 1:
-            raise ODBError(
-                f"the loader yielded step {last.step} but step {trained} is training: a "
-                "prefetch deeper than one batch, which the Lightning adapter does not support"
-            )
-        if last is None:
-            return self.loader.state_dict()
-        return self.loader.state_after(trained)
+        yield from passes
 
     def _on_batch_start(self, meta: StepMeta, trainer: pl.Trainer) -> None:
         loader = self.loader
@@ -394,14 +302,7 @@ class ODBDataModule(pl.LightningDataModule):
                 "epoch was cut short, or this DataModule already trained in an earlier fit "
                 "(use a fresh ODBDataModule, or resume with ckpt_path=)"
             )
-        last = self._last
-        if last is None or meta.step not in (last.step, last.step - 1):
-            raise ODBError(
-                f"training step {meta.step} is not among the batches the loader just yielded "
-                f"(last {None if last is None else last.step}); hand Lightning the "
-                "ODBDataModule, not the loader"
-            )
-        self._trained = meta.step
+        self.passes.start(meta.step)
 
 
 # ---- the callback -----------------------------------------------------------------------
@@ -484,7 +385,7 @@ class ODBCallback(Callback):
                     f"Trainer(accumulate_grad_batches) equal to the loader's grad_accum_steps "
                     f"({dm.window_steps or 1}) and do not change it during the run"
                 )
-        reported = dm._reported_estimate
+        reported = dm.reported_estimate
         if reported is not None and trainer.global_step > reported:
             _warn_once(
                 "estimate",
@@ -506,18 +407,18 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
     max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
     if max_epochs is None or max_epochs == -1:
         return float("inf") if max_steps == -1 else max_steps
-    per_epoch = dm.optimizer_steps_estimate()
-    if per_epoch is None:
+    plan = dm.updates_plan(max(int(max_epochs), 1))
+    if plan is None:
         _warn_once(
             "no-estimate",
             "an ODB loader over an IterableDataset has no step estimate: "
             "estimated_stepping_batches is max_steps, as in Lightning",
         )
         return max_steps
-    total: int | float = per_epoch * max(int(max_epochs), 1)
+    total: int | float = plan.upper
     if max_steps != -1:
         total = min(total, max_steps)
-    dm._reported_estimate = total
+    dm.reported_estimate = total
     return total
 
 
@@ -544,8 +445,8 @@ class _EstimatedTotal:
         total: int | float = super().total_train_batches  # type: ignore[misc]
         dm = _datamodule_of(self.trainer)
         if total == float("inf") and isinstance(dm, ODBDataModule):
-            estimate = dm.steps_estimate()
-            return total if estimate is None else int(estimate.steps)
+            plan = dm.updates_plan()
+            return total if plan is None else int(plan.estimate.steps)
         return total
 
 

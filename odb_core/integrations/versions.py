@@ -96,3 +96,55 @@ def deprecated_names(module: str, names: dict[str, tuple[str, object]]) -> Any:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+#: Every trainer member an adapter relies on that is not public API, per trainer
+#: library: what the adapter uses it for, and the versions it was checked on. Each
+#: adapter's `PRIVATE_MEMBERS` is its entry; its version gate raises when one is missing.
+PRIVATE_MEMBERS: dict[str, dict[str, str]] = {
+    "transformers": {
+        "Trainer.set_initial_training_values": "its 7-tuple: the loop's sizes (5.24)",
+        "Trainer.get_batch_samples": "one optimizer window per fetch (5.24)",
+        "Trainer.loss_is_scaled_for_ga": "no division by gradient_accumulation_steps (5.24)",
+        "Trainer.get_tp_size": "the factor average_tokens_across_devices applies (5.24)",
+        "Trainer._get_collator_with_removed_columns": "remove_unused_columns (5.24)",
+        "ProgressCallback.training_bar": "the bar's total follows the plan (5.24)",
+    },
+    "accelerate": {
+        "DataLoaderStateMixin.begin": "the active data loader (accelerate.data_loader; 1.16)",
+        "DataLoaderStateMixin.end": "the active data loader (accelerate.data_loader; 1.16)",
+        "GradientState.end_of_dataloader": "the shared gradient state (accelerate.state; 1.16)",
+        "Accelerator.sync_gradients": "its setter: the loader's window boundary (1.16)",
+    },
+    "lightning": {},  # public API only (checked on 2.6): see the adapter's relied-on members
+}
+
+
+def gate(
+    package: str,
+    version: str,
+    owners: dict[str, object],
+    *,
+    extra: str,
+    fallback: str,
+    relies: str,
+    warned: set[str],
+    public: tuple[str, ...] = (),
+) -> bool:
+    """`check_version` for the adapter of `package`: the members it relies on are its
+    `PRIVATE_MEMBERS` entry and `public` (each "Owner.member", checked on `owners`)."""
+    names = [*PRIVATE_MEMBERS[package], *public]
+    missing = [
+        n
+        for n in names
+        if n.split(".")[0] in owners and not hasattr(owners[n.split(".")[0]], n.split(".")[1])
+    ]
+    return check_version(
+        package,
+        version,
+        extra=extra,
+        fallback=fallback,
+        missing=missing,
+        relies=relies,
+        warned=warned,
+    )

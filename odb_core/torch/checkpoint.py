@@ -11,13 +11,18 @@ checked here and every state by `load_state_dict` (schema, checksum, dataset and
 config, consistency, and across ranks at the first iteration) before anything
 is applied. The two formats the adapters wrote before (Accelerate's
 `odb-accelerate-loader`, Lightning's `odb-lightning-datamodule`) are read too.
+`write_states(folder, entry)` / `read_states(folder)` keep the entry in a
+checkpoint folder (`odb_loader_states.json`) for a trainer that saves folders.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import weakref
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -107,3 +112,36 @@ def load_states(loader: ODBDataLoader, entry: Any) -> None:
         loader.load_state_dict(states[loader.rank])
     else:
         loader.load_state_dict(states)
+
+
+#: The file a checkpoint folder holds the entry in (HF Trainer's checkpoint folders).
+STATES_FILE = "odb_loader_states.json"
+_RANK_FILES = "odb_loader_rank*.json"  # a file per rank, before one format: read once
+
+
+def write_states(folder: str | os.PathLike[str], entry: Mapping[str, Any]) -> Path:
+    """Write `gather_states`' entry into `folder` (atomically: a reader sees the old
+    file or the new one); returns the file."""
+    path = Path(folder, STATES_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(entry))
+    os.replace(tmp, path)
+    return path
+
+
+def read_states(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The entry `write_states` wrote into `folder` (or the per-rank files odb-core
+    wrote before one format, as one entry); None when the folder has neither."""
+    path = Path(folder)
+    if (path / STATES_FILE).exists():
+        entry: dict[str, Any] = json.loads((path / STATES_FILE).read_text())
+        return entry
+    files = sorted(path.glob(_RANK_FILES))
+    if not files:
+        return None
+    ranks = {int(f.stem.rsplit("rank", 1)[1]): json.loads(f.read_text()) for f in files}
+    if sorted(ranks) != list(range(len(ranks))):
+        raise ResumeStateError(f"checkpoint {folder}: loader states of ranks {sorted(ranks)}")
+    states = [ranks[r] for r in range(len(ranks))]
+    return {"format": STATES_FORMAT, "version": STATES_VERSION, "ranks": states}

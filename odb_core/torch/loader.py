@@ -31,7 +31,6 @@ pending carry as it was.
 from __future__ import annotations
 
 import array
-import collections
 import functools
 import json
 import logging
@@ -43,11 +42,11 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data import default_collate as _default_collate
 
 from odb_core.assign import initial_slice
@@ -61,11 +60,12 @@ from odb_core.config import (
     make_cost_model,
 )
 from odb_core.cost import Budget, CostKind, CostModel
+from odb_core.epoch import EpochTracker
 from odb_core.errors import ConfigError, EpochFinishedError, ODBError, ResumeStateError
 from odb_core.estimate import StepsEstimate
 from odb_core.formers import FormerKind
 from odb_core.ledger import Ledgers, ages, ledger_ids, rank_order, without
-from odb_core.progress import ProgressTracker, RunProgress
+from odb_core.progress import RunProgress
 from odb_core.protocol import RankMachine, StepInfo
 from odb_core.resume import (
     EpochProgress,
@@ -80,6 +80,7 @@ from odb_core.schedule import SampleProfile
 from odb_core.torch.length import EpochLength, shard_sizes
 from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, TruncateFn, measure
 from odb_core.torch.meta import scaled_loss
+from odb_core.torch.options import LoaderOptions
 from odb_core.torch.pipeline import (
     Emitted,
     EpochPipeline,
@@ -224,71 +225,11 @@ class ODBDataLoader:
         batch_sampler: object = None,
         drop_last: bool = False,
     ) -> None:
-        if batch_size is not None:
-            raise ConfigError(
-                f"batch_size={batch_size!r} conflicts with token_budget: ODBDataLoader sizes "
-                "each batch by its token cost (cap the samples per batch with max_samples=)"
-            )
-        if batch_sampler is not None:
-            raise ConfigError(
-                f"batch_sampler={batch_sampler!r} conflicts with token_budget: the protocol "
-                "forms the batches"
-            )
-        if drop_last:
-            raise ConfigError(
-                "drop_last=True would drop samples; ODBDataLoader emits every sample of the "
-                "epoch exactly once (mode='quota' closes epochs early with a ledger instead)"
-            )
-        if (
-            isinstance(peer_timeout, bool)
-            or not isinstance(peer_timeout, (int, float))
-            or not math.isfinite(peer_timeout)
-            or peer_timeout <= 0
-        ):
-            raise ConfigError(
-                f"peer_timeout={peer_timeout!r} must be a finite number of seconds > 0"
-            )
-        for name, value in (("samples_per_fetch", samples_per_fetch), ("seed", seed)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name}={value!r} must be a non-negative integer")
-        if samples_per_fetch < 1:
-            raise ConfigError(f"samples_per_fetch={samples_per_fetch!r} must be >= 1")
-        if isinstance(label_shift, bool) or not isinstance(label_shift, int) or label_shift < 0:
-            raise ConfigError(f"label_shift={label_shift!r} must be a non-negative integer")
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise ConfigError(f"ignore_index={ignore_index!r} must be an integer")
-        if loss_tokens_fn is not None and not callable(loss_tokens_fn):
-            raise ConfigError(f"loss_tokens_fn={loss_tokens_fn!r} is not callable")
-        for name, flag in (("step_meta", step_meta), ("with_step_info", with_step_info)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{name}={flag!r} must be a bool")
-        iterable = isinstance(dataset, IterableDataset)
-        if iterable and (shuffle or sampler is not None):
-            raise ConfigError(
-                "shuffle and sampler apply to map-style datasets; an IterableDataset "
-                "defines its own order"
-            )
-        if isinstance(sampler, DistributedSampler) and partition:
-            raise ConfigError(
-                "sampler=DistributedSampler already splits (and pads with duplicates) the "
-                "dataset across ranks; ODBDataLoader splits it itself with no duplicates: "
-                "drop the sampler (use shuffle=True and seed=), or pass partition=False"
-            )
-        if sampler is not None and shuffle:
-            raise ConfigError("sampler and shuffle=True are mutually exclusive (as in DataLoader)")
-        if str(getattr(mode, "value", mode)) == Mode.QUOTA.value and (
-            iterable or id_fn is not None
-        ):
-            raise ConfigError(
-                "mode='quota' carries the samples an epoch did not emit into the next one by "
-                "dataset index, which needs a map-style dataset whose sample ids are its "
-                f"indices; got {'an IterableDataset' if iterable else 'id_fn='}"
-            )
-        if not iterable and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-            raise ConfigError(
-                f"dataset {type(dataset).__name__} is neither an IterableDataset nor a sized "
-                "map-style dataset (__getitem__ and __len__)"
-            )
+        # Every keyword argument, grouped and checked in one place before anything
+        # is applied (torch/options.py).
+        args = {k: v for k, v in locals().items() if k not in ("self", "dataset")}
+        self.options = LoaderOptions.of(**args)
+        iterable = self.options.check_dataset(dataset)
 
         self.dataset = dataset
         self.transport: Transport = self._make_transport(peer_timeout)
@@ -420,7 +361,9 @@ class ODBDataLoader:
         self.resume_report: ResumeReport | None = None
         self._serial = 0  # bumped by set_epoch / load_state_dict: older iterators stop counting
         self.step_info: StepInfo | None = None
-        self._carry: Ledgers = ()  # pending: into the running pass, or out of a closed one
+        # Where this rank is in the epoch, step by step (odb_core.epoch); the pending
+        # carry (into the running pass, or out of a closed one) is its position's.
+        self._tracker = EpochTracker()
         self.ledgers: Ledgers = ()  # per rank, of the last closed epoch
         self.ledger: tuple[int, ...] = ()  # all ranks' ids not emitted by the last closed epoch
         self.carried_in: tuple[int, ...] = ()  # ids the current pass started with
@@ -428,11 +371,6 @@ class ODBDataLoader:
         self.ledger_ages: dict[int, int] = {}
         self.epoch_stats: EpochStats | None = None  # of the last finished epoch
         self._length = EpochLength(self.config)
-        self._next_window = 0  # the window a fresh protocol run would open next
-        self._start: tuple[int, int, int] = (0, 0, 0)  # (step, emitted, window) of the run
-        self._progress = ProgressTracker()
-        # What the last few yielded steps changed (see state_after).
-        self._history: collections.deque[_Yielded] = collections.deque(maxlen=4)
         self._reset_progress()
 
     # ---- DataLoader surface ------------------------------------------------
@@ -454,24 +392,17 @@ class ODBDataLoader:
             # Where this protocol run starts: the epoch's start, the saved step (a
             # resume that keeps exactly-once), or, for an exact resume, the start of
             # the run the state was saved from, which it replays.
-            exact = progress is not None and self._exact(progress)
-            plan = progress
-            skip_before, replay_ids = 0, frozenset[int]()
-            if progress is not None and exact:
-                plan = replace(progress, done=frozenset())
-                skip_before, replay_ids = progress.step, progress.done
-                self._start = (progress.start_step, progress.start_emitted, progress.start_window)
-            else:
-                self._start = (self._step, self._emitted, self._next_window)
-            step0, emitted0, window0 = self._start
+            run = self._tracker.plan(progress, exact=progress is not None and self._exact(progress))
+            plan, skip_before, replay_ids = run.plan, run.skip_before, run.replay_ids
+            step0, emitted0, window0 = run.start
             config = self.config
             if progress is not None and config.quota is not None:
                 left = config.quota - emitted0
                 if left <= 0:
-                    self._closed = True
+                    self._tracker.close()
                 else:
                     config = replace(config, quota=left)
-            if self._closed:
+            if self._tracker.position.closed:
                 return iter(())
             excluded = self._excluded(plan)
             self.carried_in = ledger_ids(self._carry)
@@ -485,7 +416,7 @@ class ODBDataLoader:
             trace_path = None
             if self.trace_dir is not None:
                 trace_path = self.trace_dir / (
-                    f"trace-epoch{self.epoch}-step{self._step}-rank{self.rank}.json"
+                    f"trace-epoch{self.epoch}-step{step0}-rank{self.rank}.json"
                 )
             self._guard.owner = os.getpid()
             self._guard.inodes = getattr(self.transport, "socket_inodes", frozenset())
@@ -548,12 +479,12 @@ class ODBDataLoader:
                 updates=pending.window,
                 closed=pending.closed,
             )
-        return self._progress.progress(self.epoch, self.epoch_samples, closed=self._closed)
+        return self._tracker.run_progress(self.epoch, self.epoch_samples)
 
     def progress_after(self, step: int | None) -> RunProgress:
         """`run_progress` as of step `step` of the current pass (one of the last few
         yielded; None: before its first), for a trainer that prefetches batches."""
-        return self._progress.after(step, self.epoch, self.epoch_samples)
+        return self._tracker.progress.after(step, self.epoch, self.epoch_samples)
 
     @property
     def epoch_samples(self) -> int:
@@ -681,7 +612,9 @@ class ODBDataLoader:
     def epoch_closed(self) -> bool:
         """Whether the current epoch has closed: the batch just yielded was its last
         (known as it is yielded, no lookahead), or the loaded state was saved at its end."""
-        return self._resume.closed if self._resume is not None else self._closed
+        if self._resume is not None:
+            return self._resume.closed
+        return self._tracker.position.closed
 
     def step_bound(self) -> int | None:
         """A number of steps no epoch reaches (one step per sample of the dataset),
@@ -715,66 +648,23 @@ class ODBDataLoader:
         the saved one, so the samples done are read again)."""
         if self._resume is not None:
             return self._resume.to_dict()
-        return self._state(
-            self._step,
-            self._emitted,
-            self._closed,
-            frozenset(self._done),
-            self._carry,
-            self._next_window,
-        )
+        return self._tracker.current(**self._identity()).to_dict()
 
     def state_after(self, step: int | None) -> dict[str, Any]:
         """`state_dict()` as of step `step` of the current pass, one of the last few
         yielded (None: before the pass's first), for a trainer that prefetches
         batches: a resume from it continues with step `step + 1`."""
-        history = list(self._history)
-        if step is None and history:
-            if self._yielded > len(history):
-                raise ODBError("state_after(None): the pass has yielded more steps than are kept")
-            step = history[0].step - 1
-        if not history or step is None or step >= history[-1].step:
-            if step is not None and history and step > history[-1].step:
-                raise ODBError(f"state_after({step}): step {history[-1].step} is the last yielded")
-            return self.state_dict()
-        later = [h for h in history if h.step > step]
-        if len(later) == len(history) and history[0].step != step + 1:
-            raise ODBError(
-                f"state_after({step}): only the last {len(history)} yielded steps are kept "
-                f"(from {history[0].step})"
-            )
-        undone = {i for h in later for i in h.ids}
-        h = later[0]
-        return self._state(
-            h.before_step, h.emitted, h.closed, frozenset(self._done - undone), h.carry, h.window
-        )
+        if self._resume is not None:  # loaded, not iterated yet
+            return self._resume.to_dict()
+        return self._tracker.after(step, **self._identity()).to_dict()
 
-    def _state(
-        self,
-        step: int,
-        emitted: int,
-        closed: bool,
-        done: frozenset[int],
-        carry: Ledgers,
-        window: int,
-    ) -> dict[str, Any]:
-        start_step, start_emitted, start_window = self._start
-        return EpochProgress(
-            fingerprint=self._fingerprint,
-            epoch=self.epoch,
-            step=step,
-            emitted=emitted,
-            closed=closed,
-            base_done=self._base_done,
-            world_size=self.world_size,
-            rank=self.rank,
-            done=done,
-            carry=carry,
-            window=window,
-            start_step=start_step,
-            start_emitted=start_emitted,
-            start_window=start_window,
-        ).to_dict()
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self._fingerprint,
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Resume from `state_dict()` (this rank's) or a list of every rank's states.
@@ -865,21 +755,15 @@ class ODBDataLoader:
             self._refused = False
 
     def _reset_progress(self, progress: EpochProgress | None = None) -> None:
-        self._step = 0 if progress is None else progress.step
-        self._emitted = 0 if progress is None else progress.emitted
-        self._closed = False if progress is None else progress.closed
-        self._base_done: frozenset[int] = frozenset() if progress is None else progress.base_done
-        self._done: set[int] = set() if progress is None else set(progress.done)
-        self._next_window = 0 if progress is None else progress.window
-        # (step, emitted, window) where the current protocol run began
-        self._start = (
-            (0, 0, 0)
-            if progress is None
-            else (progress.start_step, progress.start_emitted, progress.start_window)
-        )
-        self._progress.reset(samples=self._emitted, updates=self._next_window, closed=self._closed)
-        self._history.clear()
-        self._yielded = 0  # steps yielded by this pass
+        self._tracker.reset(progress, carry=self._carry)
+
+    @property
+    def _carry(self) -> Ledgers:
+        return self._tracker.position.carry
+
+    @_carry.setter
+    def _carry(self, carry: Ledgers) -> None:
+        self._tracker.set_carry(carry)
 
     def _exact(self, progress: EpochProgress) -> bool:
         """Resume exactly (replay) rather than only exactly-once: deterministic mode
@@ -888,35 +772,16 @@ class ODBDataLoader:
 
     def _record(self, item: Emitted, serial: int) -> None:
         info = item.info
-        self._yielded += 1
-        self._history.append(
-            _Yielded(
-                info.step,
-                tuple(info.sample_ids),
-                self._step,
-                self._emitted,
-                self._closed,
-                self._next_window,
-                self._carry,
-            )
-        )
+        self._tracker.record(info, last_of_epoch=item.last_of_epoch)
         self.step_info = info
-        self._step = info.step + 1
-        self._emitted += info.global_samples
-        self._done.update(info.sample_ids)
-        # A fresh protocol run (a non-exact resume) opens a new window after this.
-        self._next_window = info.window + 1
-        self._progress.record(info, last_of_epoch=item.last_of_epoch)
         if item.last_of_epoch:
-            self._closed = True
-            self._length.record(self.epoch, self._step)
+            self._length.record(self.epoch, info.step + 1)
             self._advance = self._advance or serial == self._serial
             self._close_with(item.ledger)
 
     def _end(self, end: _End, serial: int) -> None:
-        if not self._closed:
-            self._length.record(self.epoch, self._step)  # an epoch that ran no step
-        self._closed = True
+        if self._tracker.close():
+            self._length.record(self.epoch, self._tracker.position.step)  # it ran no step
         self._advance = self._advance or serial == self._serial
         self._close_with(end.ledger)
         self.epoch_stats = end.stats
@@ -933,7 +798,7 @@ class ODBDataLoader:
                 "the next epoch (%d from this rank)",
                 self.rank,
                 self.epoch,
-                self._step,
+                self._tracker.position.step,
                 len(self.ledger),
                 len(ledgers[self.rank]) if self.rank < len(ledgers) else 0,
             )
@@ -1080,18 +945,6 @@ class ODBDataLoader:
             )
             return None
         return _pin
-
-
-class _Yielded(NamedTuple):
-    """A yielded step: its number and ids, and the loader's progress before it."""
-
-    step: int
-    ids: tuple[int, ...]
-    before_step: int
-    emitted: int
-    closed: bool
-    window: int
-    carry: Ledgers
 
 
 class _EpochIterator:

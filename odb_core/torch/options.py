@@ -1,0 +1,226 @@
+"""`ODBDataLoader`'s keyword arguments, grouped by what they decide and validated in
+one place before the loader does anything (no transport, no group, nothing half
+applied); each error names the bad value.
+
+- `BatchOptions`: how batches are formed (the budget and its cost model).
+- `EpochOptions`: which samples an epoch holds, in which order, on which rank.
+- `LossOptions`: what the loss is normalised by and the optimizer windows.
+- `OutputOptions`: what each iteration yields.
+- `WorkerOptions`: the inner torch DataLoader's workers and the prefetch.
+- `peer_timeout`: how long a rank waits for its peers.
+
+`LoaderOptions.of(**kwargs)` takes the loader's keyword arguments (the drop-in
+names, unchanged); `check_dataset(dataset)` adds the checks that need the dataset.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DistributedSampler, IterableDataset, Sampler
+
+from odb_core.config import LossNormalization, Mode, OversizePolicy, Sharding
+from odb_core.cost import CostKind, CostModel
+from odb_core.errors import ConfigError
+from odb_core.formers import FormerKind
+from odb_core.torch.measure import CostFn, LossTokensFn, TruncateFn
+
+__all__ = [
+    "BatchOptions",
+    "EpochOptions",
+    "LoaderOptions",
+    "LossOptions",
+    "OutputOptions",
+    "WorkerOptions",
+]
+
+
+def _count(name: str, value: Any, least: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        what = "a non-negative integer" if least == 0 else f">= {least}"
+        raise ConfigError(f"{name}={value!r} must be {what}")
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    token_budget: float
+    cost_fn: CostFn | None = None
+    cost_model: CostModel | CostKind | str = CostKind.PACKED
+    buffer_size: int | None = None
+    max_steps_per_round: int = 8
+    former: FormerKind | str = FormerKind.SORT_WINDOW_GREEDY
+    oversize: OversizePolicy | str = OversizePolicy.ERROR
+    max_samples: int | None = None
+    max_patches: int | None = None
+    # The rest are checked by ProtocolConfig, which the loader builds from them.
+
+
+@dataclass(frozen=True)
+class EpochOptions:
+    mode: Mode | str = Mode.JOIN
+    quota: int | None = None
+    seed: int = 0
+    deterministic: bool = False
+    shuffle: bool = False
+    sampler: Sampler[Any] | Sequence[int] | None = None
+    partition: bool = True
+    id_fn: Callable[[Any], object] | None = None
+    sharding: Sharding | str = Sharding.STATIC
+
+    def __post_init__(self) -> None:
+        _count("seed", self.seed)
+        if isinstance(self.sampler, DistributedSampler) and self.partition:
+            raise ConfigError(
+                "sampler=DistributedSampler already splits (and pads with duplicates) the "
+                "dataset across ranks; ODBDataLoader splits it itself with no duplicates: "
+                "drop the sampler (use shuffle=True and seed=), or pass partition=False"
+            )
+        if self.sampler is not None and self.shuffle:
+            raise ConfigError("sampler and shuffle=True are mutually exclusive (as in DataLoader)")
+
+    @property
+    def quota_mode(self) -> bool:
+        return str(getattr(self.mode, "value", self.mode)) == Mode.QUOTA.value
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    loss_normalization: LossNormalization | str = LossNormalization.TOKENS
+    loss_tokens_fn: LossTokensFn | None = None
+    label_shift: int = 1
+    ignore_index: int = -100
+    truncate_fn: TruncateFn | None = None
+    grad_accum_steps: int | None = None
+    tokens_per_update: int | None = None
+
+    def __post_init__(self) -> None:
+        _count("label_shift", self.label_shift)
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise ConfigError(f"ignore_index={self.ignore_index!r} must be an integer")
+        if self.loss_tokens_fn is not None and not callable(self.loss_tokens_fn):
+            raise ConfigError(f"loss_tokens_fn={self.loss_tokens_fn!r} is not callable")
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    with_step_info: bool = False
+    step_meta: bool = True
+    trace_dir: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("step_meta", "with_step_info"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a bool")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    num_workers: int = 0
+    pin_memory: bool = False
+    timeout: float = 0
+    worker_init_fn: Callable[[int], None] | None = None
+    multiprocessing_context: Any = None
+    generator: Any = None
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+    pin_memory_device: str = ""
+    samples_per_fetch: int = 8
+    prefetch_thread: bool = True
+
+    def __post_init__(self) -> None:
+        _count("samples_per_fetch", self.samples_per_fetch)
+        _count("samples_per_fetch", self.samples_per_fetch, least=1)
+
+
+_GROUPS = {
+    "batch": BatchOptions,
+    "epoch": EpochOptions,
+    "loss": LossOptions,
+    "output": OutputOptions,
+    "workers": WorkerOptions,
+}
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """Every `ODBDataLoader` option, by group (see the module docstring)."""
+
+    batch: BatchOptions
+    epoch: EpochOptions
+    loss: LossOptions
+    output: OutputOptions
+    workers: WorkerOptions
+    peer_timeout: float = 300.0
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        peer_timeout: float = 300.0,
+        batch_size: object = None,
+        batch_sampler: object = None,
+        drop_last: bool = False,
+        **options: Any,
+    ) -> LoaderOptions:
+        """The loader's keyword arguments, grouped and checked (`ConfigError` names
+        the first bad value); `batch_size`, `batch_sampler` and `drop_last` are the
+        DataLoader's, which a token budget replaces."""
+        if batch_size is not None:
+            raise ConfigError(
+                f"batch_size={batch_size!r} conflicts with token_budget: ODBDataLoader sizes "
+                "each batch by its token cost (cap the samples per batch with max_samples=)"
+            )
+        if batch_sampler is not None:
+            raise ConfigError(
+                f"batch_sampler={batch_sampler!r} conflicts with token_budget: the protocol "
+                "forms the batches"
+            )
+        if drop_last:
+            raise ConfigError(
+                "drop_last=True would drop samples; ODBDataLoader emits every sample of the "
+                "epoch exactly once (mode='quota' closes epochs early with a ledger instead)"
+            )
+        if (
+            isinstance(peer_timeout, bool)
+            or not isinstance(peer_timeout, (int, float))
+            or not math.isfinite(peer_timeout)
+            or peer_timeout <= 0
+        ):
+            raise ConfigError(
+                f"peer_timeout={peer_timeout!r} must be a finite number of seconds > 0"
+            )
+        groups: dict[str, Any] = {}
+        for name, group in _GROUPS.items():
+            names = {f.name for f in fields(group)}
+            groups[name] = group(**{k: v for k, v in options.items() if k in names})
+        unknown = set(options) - {f.name for g in _GROUPS.values() for f in fields(g)}
+        if unknown:
+            raise ConfigError(f"unknown ODBDataLoader option(s) {sorted(unknown)}")
+        return cls(peer_timeout=peer_timeout, **groups)
+
+    def check_dataset(self, dataset: Any) -> bool:
+        """The checks that need the dataset; True when it is an IterableDataset."""
+        epoch = self.epoch
+        iterable = isinstance(dataset, IterableDataset)
+        if iterable and (epoch.shuffle or epoch.sampler is not None):
+            raise ConfigError(
+                "shuffle and sampler apply to map-style datasets; an IterableDataset "
+                "defines its own order"
+            )
+        if epoch.quota_mode and (iterable or epoch.id_fn is not None):
+            raise ConfigError(
+                "mode='quota' carries the samples an epoch did not emit into the next one by "
+                "dataset index, which needs a map-style dataset whose sample ids are its "
+                f"indices; got {'an IterableDataset' if iterable else 'id_fn='}"
+            )
+        if not iterable and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise ConfigError(
+                f"dataset {type(dataset).__name__} is neither an IterableDataset nor a sized "
+                "map-style dataset (__getitem__ and __len__)"
+            )
+        return iterable
