@@ -107,10 +107,10 @@ def _decode_bitmap(v: str, field: str) -> frozenset[int]:
             f"loader state field {field}: its bitmap is empty or ends with a zero byte "
             "(not the canonical form state_dict() writes)"
         )
-    # Bit j of every byte as one byte each (bytes.translate), then the ids where it
-    # is set (itertools.compress): eight passes in C instead of a loop per byte.
-    n = len(bits) << 3
-    out: set[int] = set()
+    # One byte per id: bit j of every byte (bytes.translate) lands at every 8th byte
+    # from j (a slice assignment), then the ids whose byte is set (itertools.compress),
+    # all in C; building the frozenset in id order is the only pass per id.
+    flags = bytearray(len(bits) << 3)
     for j in range(8):
-        out.update(compress(range(j, n, 8), bits.translate(_BIT[j])))
-    return frozenset(out)
+        flags[j::8] = bits.translate(_BIT[j])
+    return frozenset(compress(range(len(flags)), flags))

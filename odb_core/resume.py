@@ -30,9 +30,11 @@ own ledger, which the next epoch starts with.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import math
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -146,13 +148,17 @@ class EpochProgress:
                 "to resume at another world size or rank, load the list of every rank's "
                 "state_dict() taken at the same step (they are merged with merge_states)"
             )
-        return self.base_done | self.done
+        # No copy of a 500k-id set when one side is empty (the common case).
+        if not self.done:
+            return self.base_done
+        return self.base_done | self.done if self.base_done else self.done
 
     def shard(self, order: Sequence[int], world: int, rank: int) -> list[int]:
         """This rank's remaining ids of a map-style epoch, in epoch order."""
         excluded = self.excluded(world, rank)
         rest = list(filterfalse(self.base_done.__contains__, order)) if self.base_done else order
-        return list(filterfalse(excluded.__contains__, partition(rest, world, rank)))
+        part = partition(rest, world, rank)
+        return list(filterfalse(excluded.__contains__, part)) if excluded else part
 
     def to_dict(self) -> dict[str, Any]:
         return seal(
@@ -323,9 +329,11 @@ class EpochProgress:
                     f"emitted={self.emitted} ids (it holds {len(self.base_done)})"
                 )
 
-    def check_for(self, target: ResumeTarget) -> None:
+    def check_for(self, target: ResumeTarget) -> list[int] | None:
         """Raise `ResumeStateError` unless this state can be the progress of the
-        loader described by `target` (its dataset, split and windows)."""
+        loader described by `target` (its dataset, split and windows). Returns this
+        rank's remaining ids, `shard(target.order, ...)`, when the check computed
+        them on the way (a local state with done ids and no carry), else None."""
         t = target
         self.excluded(t.world, t.rank)  # a local state resumes only its own rank
         if t.steps_per_window is not None:
@@ -351,13 +359,24 @@ class EpochProgress:
                         f"loader state field {name} holds id {bad}, which is not an "
                         f"index of this dataset (0..{t.id_limit - 1})"
                     )
+        remaining: list[int] | None = None
         if t.order is not None and self.done and not self.is_global:
             base = self.base_done
             rest = list(filterfalse(base.__contains__, t.order)) if base else t.order
             part = partition(rest, t.world, t.rank)
             carry = without(self.carry, base)
-            mine = set(rank_order(carry, part, t.world, t.rank) if any(carry) else part)
-            foreign = self.done - mine
+            if any(carry):
+                foreign = self.done.difference(rank_order(carry, part, t.world, t.rank))
+            else:
+                # part is a slice of a permutation (distinct ids), so done is a subset
+                # of it exactly when dropping done from it drops len(done) ids: one
+                # pass that yields this rank's shard, and no set of a million ids.
+                remaining = list(filterfalse(self.done.__contains__, part))
+                foreign = (
+                    self.done.difference(part)
+                    if len(part) - len(remaining) != len(self.done)
+                    else frozenset()
+                )
             if foreign:
                 raise ResumeStateError(
                     f"loader state of rank {t.rank}: done id {min(foreign)} is not one of "
@@ -380,6 +399,7 @@ class EpochProgress:
                     + (" or carried" if not t.join else "")
                     + f" ({t.size - self.emitted - carried} would be lost)"
                 )
+        return remaining
 
 
 @dataclass(frozen=True)
@@ -548,7 +568,7 @@ class ResumeClaim:
             int(p.is_global),
             -1 if p.world_size is None else p.world_size,
             len(p.base_done),
-            _digest(sorted(p.base_done)),
+            _ids_digest(sorted(p.base_done)),
             _digest([list(part) for part in p.carry]),
             _digest(dict(p.fingerprint)),
         )
@@ -611,14 +631,14 @@ def check_claims(vectors: Sequence[Sequence[int]], rank: int) -> str:
                 field=name,
                 ranks=_outliers(values),
             )
-    check_unique([c.done for c in claims], what="done (in the loaded states)")
+    if len(claims) > 1:  # one rank's done ids come from a set
+        check_unique([c.done for c in claims], what="done (in the loaded states)")
     first = claims[0]
     emitted, merged, base = first.shared[2], first.shared[8], first.shared[10]
     if not merged:
         _check_count(emitted, base, [(r, len(c.done)) for r, c in enumerate(claims)])
     union = sorted(chain.from_iterable(c.done for c in claims))  # sorted runs: a merge
-    text = ",".join(map(str, [*first.shared, -1, *union]))
-    return _hex(hashlib.sha256(text.encode()).digest())
+    return _hex(hashlib.sha256(_packed([*first.shared, -1, *union])).digest())
 
 
 def _outliers(values: Sequence[object]) -> tuple[int, ...]:
@@ -652,6 +672,22 @@ def _check_count(emitted: int, base: int, done: Sequence[tuple[int, int]]) -> No
 def _digest(value: object) -> int:
     raw = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
     return int.from_bytes(hashlib.sha256(raw).digest()[:8], "big") >> 1
+
+
+def _ids_digest(ids: Sequence[int]) -> int:
+    return int.from_bytes(hashlib.sha256(_packed(ids)).digest()[:8], "big") >> 1
+
+
+def _packed(values: Sequence[int]) -> bytes:
+    """`values` as bytes, in C: little-endian 8-byte integers (what the collectives
+    carry), or decimal text when one does not fit."""
+    try:
+        raw = array.array("q", values)
+    except OverflowError:
+        return b"t" + ",".join(map(str, values)).encode()
+    if sys.byteorder == "big":
+        raw.byteswap()
+    return b"q" + raw.tobytes()
 
 
 def _hex(raw: bytes) -> str:

@@ -6,13 +6,15 @@ diffs; `EpochProgress` (exclusion, shards, `to_dict` / `from_dict` and their
 schema checks, `check` and `check_for`); `merge`; `ResumeClaim` and
 `check_claims` (the cross-rank check at the first iteration after a load); and
 the small helpers with a precise contract (`_outliers`, `_check_count`,
-`_digest`, `_hex`, `_show`, `_plain`, `_preview`).
+`_digest`, `_packed`, `_hex`, `_show`, `_plain`, `_preview`).
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 import re
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +33,7 @@ from odb_core.resume import (
     _digest,
     _hex,
     _outliers,
+    _packed,
     _plain,
     _preview,
     _show,
@@ -81,6 +84,14 @@ GLOBAL = EpochProgress(
 def digest_of(raw: bytes) -> int:
     """What `_digest` must give for a value whose canonical JSON is `raw`."""
     return int.from_bytes(hashlib.sha256(raw).digest()[:8], "big") >> 1
+
+
+def packed(values: list[int]) -> bytes:
+    """What `_packed` must give for integers that fit in 8 bytes."""
+    raw = array.array("q", values)
+    if sys.byteorder == "big":
+        raw.byteswap()
+    return b"q" + raw.tobytes()
 
 
 def stateerr(fn: Any, *args: Any) -> ResumeStateError:
@@ -531,7 +542,10 @@ def test_check_for_accepts_the_loader_it_belongs_to() -> None:
     order = list(range(12))
     target = ResumeTarget(2, 1, id_limit=12, order=order, size=10, steps_per_window=2)
     assert LOCAL.check_for(replace(target, order=None)) is None
-    assert replace(LOCAL, done=frozenset({4, 6})).check_for(target) is None
+    # a local state with done ids: the check's pass yields this rank's shard
+    # (base_done 0..2 out, ids 4, 6, 8, 10 on rank 1 of 2, 4 and 6 done)
+    local = replace(LOCAL, done=frozenset({4, 6}))
+    assert local.check_for(target) == local.shard(order, 2, 1) == [8, 10]
     assert GLOBAL.check_for(ResumeTarget(5, 4, id_limit=3, order=order, size=3)) is None
     # a global state never splits the order itself, whatever the target's rank
     assert GLOBAL.check_for(ResumeTarget(2, 7, order=order)) is None
@@ -619,7 +633,7 @@ def test_check_for_refuses_done_ids_of_another_rank() -> None:
     assert message(replace(LOCAL, done=frozenset({4, 7})).check_for, target) == FOREIGN.format(7, 1)
     # no base_done: rank 1 holds the odd ids
     fresh = replace(LOCAL, base_done=frozenset(), start_emitted=0)
-    assert replace(fresh, done=frozenset({1, 3})).check_for(target) is None
+    assert replace(fresh, done=frozenset({1, 3})).check_for(target) == [5, 7, 9, 11]
     assert message(replace(fresh, done=frozenset({2})).check_for, target) == FOREIGN.format(2, 1)
 
 
@@ -902,14 +916,15 @@ def test_claim_of_a_local_state_holds_the_shared_fields_and_the_done_ids() -> No
     state = replace(LOCAL, carry=((12,), (11, 13)), closed=True)
     claim = ResumeClaim.of(state)
     shared = (1, 6, 10, 1, 3, 2, 4, 1, 0, 2, 3)
-    digests = (digest_of(b"[0,1,2]"), digest_of(b"[[12],[11,13]]"), digest_of(FP_JSON))
+    ids = digest_of(packed([0, 1, 2]))
+    digests = (ids, digest_of(b"[[12],[11,13]]"), digest_of(FP_JSON))
     assert claim == ResumeClaim(1, shared + digests, (3, 5))
     assert claim.to_vector() == [0x0DB5, 1, 14, *shared, *digests, 3, 5]
 
 
 def test_claim_of_a_global_state() -> None:
     claim = ResumeClaim.of(GLOBAL)
-    digests = (digest_of(b"[0,1,2]"), digest_of(b"[]"), digest_of(FP_JSON))
+    digests = (digest_of(packed([0, 1, 2])), digest_of(b"[]"), digest_of(FP_JSON))
     assert claim == ResumeClaim(1, (1, 6, 3, 0, 3, 6, 3, 3, 1, -1, 3, *digests), ())
 
 
@@ -968,12 +983,20 @@ def test_check_claims_returns_the_digest_of_the_merged_progress() -> None:
     parts = three()
     got = check_claims(vectors(parts), 1)
     shared = ResumeClaim.of(parts[0]).shared
-    text = ",".join(map(str, [*shared, -1, 0, 1, 2, 3, 4, 5]))
-    assert got == hashlib.sha256(text.encode()).hexdigest()[:16]
+    raw = packed([*shared, -1, 0, 1, 2, 3, 4, 5])
+    assert got == hashlib.sha256(raw).hexdigest()[:16]
     assert check_claims(vectors(parts), 0) == got
     (only,) = ranks_state(1, [{2, 9}])
-    text = ",".join(map(str, [*ResumeClaim.of(only).shared, -1, 2, 9]))
-    assert check_claims(vectors([only]), 0) == hashlib.sha256(text.encode()).hexdigest()[:16]
+    raw = packed([*ResumeClaim.of(only).shared, -1, 2, 9])
+    assert check_claims(vectors([only]), 0) == hashlib.sha256(raw).hexdigest()[:16]
+
+
+def test_packed_is_eight_byte_integers_or_text_when_one_does_not_fit() -> None:
+    assert _packed([1, -2]) == b"q" + (1).to_bytes(8, "little") + (-2).to_bytes(
+        8, "little", signed=True
+    )
+    assert _packed([1, 2**63]) == b"t1,9223372036854775808"
+    assert _packed([]) == b"q"
 
 
 def test_check_claims_of_no_loaded_state_is_empty() -> None:
@@ -1048,7 +1071,7 @@ def test_check_claims_shows_differing_id_sets_and_configs_as_digests() -> None:
     parts = three()
     other = replace(parts[1], base_done=frozenset({7}), emitted=7, start_emitted=1)
     err = mismatch([parts[0], other, parts[2]])
-    d0, d1 = digest_of(b"[]"), digest_of(b"[7]")
+    d0, d1 = digest_of(packed([])), digest_of(packed([7]))
     assert str(err) == field_text(0, "emitted", "rank 0: 6, rank 1: 7, rank 2: 6")
     other = replace(parts[1], base_done=frozenset({7}))
     err = mismatch([parts[0], other, parts[2]])
@@ -1100,8 +1123,7 @@ def test_check_claims_does_not_count_merged_states() -> None:
     # a merged state's count is checked by EpochProgress.check at load; here base_done
     # is short of emitted and still no count error is raised
     merged = replace(GLOBAL, emitted=5, start_emitted=5, step=6, start_step=6)
-    text = ",".join(map(str, [*ResumeClaim.of(merged).shared, -1]))
-    want = hashlib.sha256(text.encode()).hexdigest()[:16]
+    want = hashlib.sha256(packed([*ResumeClaim.of(merged).shared, -1])).hexdigest()[:16]
     assert check_claims(vectors([merged, merged]), 1) == want
 
 

@@ -114,6 +114,11 @@ __all__ = ["ODBDataLoader"]
 log = logging.getLogger("odb_core")
 
 _RESUME_TAG = -2  # marks the resume check's collective (order digests are >= 0)
+# (epoch, length, shuffle, seed), the epoch order, (progress, world, rank) it was
+# checked for, and that rank's remaining ids (see _checked_state).
+_LoadedOrder = tuple[
+    tuple[int, int, bool, int], Sequence[int], tuple[EpochProgress, int, int], list[int] | None
+]
 
 
 def _announce_failure(init: Callable[..., None]) -> Callable[..., None]:
@@ -350,9 +355,10 @@ class ODBDataLoader:
         # whether the last load was refused): see _verify_resume.
         self._unverified: tuple[Any, ...] | None = None
         self._refused = False
-        # The epoch order load_state_dict computed to check the state, kept for the
-        # first iteration after it: (epoch, dataset length, shuffle, seed) and the order.
-        self._loaded_order: tuple[tuple[int, int, bool, int], Sequence[int]] | None = None
+        # What load_state_dict computed to check the state, kept for the first
+        # iteration after it: (epoch, dataset length, shuffle, seed), the epoch order,
+        # and the progress it checked with this rank's remaining ids (or None).
+        self._loaded_order: _LoadedOrder | None = None
         self.epoch = 0
         # The current epoch completed (iterated to its end, or loaded closed) and no
         # set_epoch since: the next iter() starts epoch + 1.
@@ -726,9 +732,11 @@ class ODBDataLoader:
             shuffle=self.shuffle,
             seed=self.seed,
         )
-        progress.check_for(target)
+        remaining = progress.check_for(target)
         if target.order is not None and length is not None:
-            self._loaded_order = ((progress.epoch, length, self.shuffle, self.seed), target.order)
+            key = (progress.epoch, length, self.shuffle, self.seed)
+            checked = (progress, self.world_size, self.rank)
+            self._loaded_order = (key, target.order, checked, remaining)
         return progress
 
     def _snapshot(self) -> tuple[Any, ...]:
@@ -817,6 +825,7 @@ class ODBDataLoader:
         is not seeded alike on every rank, ranks in different epochs (one advanced
         by itself, another told to repeat) or resuming differently fail loudly."""
         head = [self.epoch, start_step]
+        remaining: list[int] | None = None
         if self._index_sampler is None:
             return None, zlib.crc32(array.array("q", head).tobytes())
         if self.sampler is not None:
@@ -831,6 +840,9 @@ class ODBDataLoader:
             hint, self._loaded_order = self._loaded_order, None
             if hint is not None and hint[0] == key:
                 order = list(hint[1])  # a copy: the shard below may be this list
+                checked, mine = hint[2], hint[3]
+                if checked[0] is progress and checked[1:] == (self.world_size, self.rank):
+                    remaining = mine
             else:
                 order = epoch_order(
                     len(self.dataset), shuffle=self.shuffle, seed=self.seed, epoch=self.epoch
@@ -845,7 +857,11 @@ class ODBDataLoader:
             # the producer skip done ids; the split is the same in every incarnation.
             shard = partition(order, self.world_size, self.rank)
         else:
-            shard = progress.shard(order, self.world_size, self.rank)
+            shard = (
+                remaining
+                if remaining is not None
+                else progress.shard(order, self.world_size, self.rank)
+            )
         carry = self._carry
         if carry:
             # A resumed incarnation re-deals what is left of the carry, as it re-splits
