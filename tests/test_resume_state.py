@@ -12,6 +12,7 @@ the small helpers with a precise contract (`_outliers`, `_check_count`,
 from __future__ import annotations
 
 import array
+import dataclasses
 import hashlib
 import re
 import sys
@@ -22,21 +23,12 @@ import pytest
 
 from odb_core.errors import ConfigError, DuplicateIdError, ResumeMismatchError, ResumeStateError
 from odb_core.resume import (
-    _CLAIM_FIELDS,
     FIELDS,
     SHARED,
     STATE_VERSION,
     EpochProgress,
     ResumeClaim,
     ResumeTarget,
-    _check_count,
-    _digest,
-    _hex,
-    _outliers,
-    _packed,
-    _plain,
-    _preview,
-    _show,
     canonical,
     check_claims,
     checksum,
@@ -45,6 +37,16 @@ from odb_core.resume import (
     partition,
     seal,
 )
+from odb_core.resume.claims import (
+    _CLAIM_FIELDS,
+    _check_count,
+    _digest,
+    _hex,
+    _outliers,
+    _packed,
+    _show,
+)
+from odb_core.resume.codec import _plain, _preview, read
 
 FP = {"seed": 5, "length": 60}  # not in sorted key order: canonical JSON sorts it
 FP_JSON = b'{"length":60,"seed":5}'
@@ -232,6 +234,17 @@ def test_to_dict_is_the_sealed_plain_state() -> None:
     }
     assert state == {**body, "checksum": checksum(body)}
     assert list(state) == list(FIELDS)
+
+
+def test_the_field_list_is_written_once_in_the_record() -> None:
+    names = tuple(f.name for f in dataclasses.fields(EpochProgress))
+    assert ("format", "version", *names, "checksum") == FIELDS
+    # the parse yields every field of the record (none left to its default)
+    assert set(read(LOCAL.to_dict())) == set(read(GLOBAL.to_dict())) == set(names)
+    assert (
+        tuple(n for n in names if n not in ("fingerprint", "world_size", "rank", "done")) == SHARED
+    )
+    assert _CLAIM_FIELDS[:8] == tuple(n for n in SHARED if n not in ("base_done", "carry"))
 
 
 @pytest.mark.parametrize(

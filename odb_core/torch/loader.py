@@ -865,7 +865,7 @@ class ODBDataLoader:
         carry = self._carry
         if carry:
             # A resumed incarnation re-deals what is left of the carry, as it re-splits
-            # what is left of the order (resume.py): the same plan on every rank.
+            # what is left of the order (odb_core.resume): the same plan on every rank.
             if progress is not None and self.partition:
                 carry = without(carry, progress.base_done)
             shard = rank_order(
