@@ -75,7 +75,7 @@ class ProgressRecord:
 # "format"/"version" header and its checksum.
 RECORD_FIELDS = tuple(f.name for f in fields(ProgressRecord))
 # The non-negative integer fields (the codec's `_int`, the claim's scalars).
-COUNTS = tuple(f.name for f in fields(ProgressRecord) if f.type == "int")
+COUNTS = tuple(f.name for f in fields(ProgressRecord) if f.type in ("int", int))
 # What only the rank that saved a state holds; the fingerprint is compared apart.
 OWN = ("world_size", "rank", "done")
 # Fields every rank's state of one step holds alike.
