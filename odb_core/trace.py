@@ -130,6 +130,11 @@ class TracingRankMachine(RankMachine):
         self.trace.events.append({"action": "Form"})
         return batches
 
+    def form_early(self) -> list[Any]:
+        batches = super().form_early()
+        self.trace.events.append({"action": "FormEarly"})
+        return batches
+
     def contribute(self) -> Contribution:
         c = super().contribute()
         vector = c.to_vector(self.config.max_steps_per_round)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -9,6 +10,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_tlc import require_tlc
 
 from odb_core.batch import Batch
 from odb_core.config import Mode, ProtocolConfig
@@ -24,8 +26,11 @@ from odb_core.formers import (
 )
 from odb_core.protocol import RankAction, RankMachine
 from odb_core.sample import Sample
+from odb_core.trace import ProtocolTrace, TracingRankMachine
 from odb_core.verify.checker import check
 from odb_core.verify.model import ModelConfig, round_robin_shards
+from odb_core.verify.tlc import validate_trace_tlc
+from odb_core.verify.trace import validate_trace
 
 MODELS: list[CostModel] = [PackedTokens(), PaddedTokens(), AttentionAware(alpha=0.01)]
 
@@ -295,3 +300,51 @@ def test_an_early_form_emits_only_the_fullest_batch_once_per_observation() -> No
 def test_early_form_config_is_validated(change: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ProtocolConfig(world_size=2, budget=Budget(4), buffer_size=8, **change)  # type: ignore[arg-type]
+
+
+def _traced_run_with_early_forms() -> ProtocolTrace:
+    p = ProtocolConfig(
+        world_size=2,
+        budget=Budget(4),
+        cost_model=PaddedTokens(),
+        buffer_size=4,
+        max_steps_per_round=2,
+        early_form=2,
+    )
+    lengths = [3, 1, 2, 3, 1, 2, 3, 1]
+    ms = [TracingRankMachine(r, p) for r in range(2)]
+    sources = [iter([Sample(i, lengths[i]) for i in range(r, 8, 2)]) for r in range(2)]
+    done = False
+    while not done:
+        contributions = []
+        for m, src in zip(ms, sources, strict=True):
+            while RankAction.CONTRIBUTE not in (en := m.enabled()):
+                if RankAction.FORM in en:
+                    m.form()
+                elif RankAction.FORM_EARLY in en:
+                    m.form_early()
+                elif (s := next(src, None)) is None:
+                    m.exhaust()
+                else:
+                    m.observe(s)
+            contributions.append(m.contribute())
+        results = [m.all_gather(contributions) for m in ms]  # every rank receives
+        done = results[0].done
+    return ProtocolTrace.from_machines(ms)
+
+
+def test_a_trace_with_early_forms_replays_in_the_python_model() -> None:
+    trace = _traced_run_with_early_forms()
+    assert sum(e["action"] == "FormEarly" for rt in trace.ranks for e in rt.events) >= 2
+    assert trace.protocol["early_form"] == 2
+    assert validate_trace(trace).ok
+    bad = copy.deepcopy(trace)
+    bad.ranks[0].events = [e for e in bad.ranks[0].events if e["action"] != "FormEarly"]
+    assert not validate_trace(bad).ok
+
+
+@pytest.mark.tlc
+def test_a_trace_with_early_forms_is_a_behaviour_of_the_spec() -> None:
+    require_tlc()
+    report = validate_trace_tlc(_traced_run_with_early_forms())
+    assert report.ok, report.reason
