@@ -482,3 +482,14 @@ def test_early_forms_keep_every_guarantee_and_cut_the_first_fill() -> None:
 def test_early_form_settings_are_validated(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         cfg("llava", 100, 2, **change)
+
+
+def test_fuzzed_schedules_with_early_forms_keep_every_guarantee() -> None:
+    from simulator.fuzz import random_schedule, run_schedule
+
+    scheds = [s for s in (random_schedule(seed, 16) for seed in range(400)) if s.config.early_form]
+    assert len(scheds) >= 40
+    for sched in scheds[:40]:
+        o = run_schedule(sched)
+        assert o.ok, (sched.seed, o.violations)
+        assert o.steps <= o.steps_bound
