@@ -145,6 +145,11 @@ class ProtocolConfig:
     same set on every rank); each rank forms them ahead of fresh samples
     (`formers.carried_first`, proofs/cross_epoch_fairness.md). Not part of
     `describe()`: it changes every pass, the config does not."""
+    early_form: int | None = None
+    """The least partial window a rank may form early (`RankMachine.form_early`:
+    nothing ready and its driver sees the next sample is not there yet; it emits
+    only the fullest batch and keeps the rest). None: a rank forms only a full
+    window or a dry source's rest. Join mode and static sharding only."""
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
@@ -204,6 +209,18 @@ class ProtocolConfig:
             raise ConfigError(
                 f"carried ids ({len(self.carried)}) are only meaningful with mode='quota'"
             )
+        if self.early_form is not None:
+            _positive_int("early_form", self.early_form)
+            if self.early_form >= self.buffer_size:
+                raise ConfigError(
+                    f"early_form={self.early_form!r} must be below buffer_size="
+                    f"{self.buffer_size!r}: an early form is of a partial window"
+                )
+            if self.mode is not Mode.JOIN or self.dynamic:
+                raise ConfigError(
+                    f"early_form={self.early_form!r} needs mode='join' and sharding='static' "
+                    f"(got mode={self.mode.value!r}, sharding={self.sharding.value!r})"
+                )
 
     @property
     def window_rule(self) -> WindowRule:
@@ -245,6 +262,8 @@ class ProtocolConfig:
         if self.dynamic:  # static configs keep the fingerprint they always had
             out["sharding"] = self.sharding.value
             out["assign_target"] = self.assign_target
+        if self.early_form is not None:  # likewise
+            out["early_form"] = self.early_form
         return out
 
 

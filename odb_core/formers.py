@@ -125,6 +125,23 @@ def best_fit_decreasing(
 Former = Callable[[Sequence[Sample], Budget, CostModel, bool], FormResult]
 
 
+def fullest_batch(result: FormResult) -> FormResult:
+    """Keep only the batch with the most real tokens (text + visual; the first
+    such batch on a tie); every other batch goes back to the leftovers.
+
+    An early form (a partial window, `RankMachine.form_early`) emits this: its
+    other batches were cut from too few samples to be tight, and wait for later
+    arrivals. The result still partitions the window."""
+    if len(result.batches) <= 1:
+        return result
+    best = max(
+        range(len(result.batches)),
+        key=lambda j: (sum(s.tokens + s.visual_tokens for s in result.batches[j].samples), -j),
+    )
+    rest = [s for j, b in enumerate(result.batches) if j != best for s in b.samples]
+    return FormResult([result.batches[best]], rest + list(result.leftovers))
+
+
 def carried_first(
     former: Former,
     window: Sequence[Sample],

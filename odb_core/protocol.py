@@ -41,7 +41,7 @@ from odb_core.errors import (
     OversizeSampleError,
     ProtocolError,
 )
-from odb_core.formers import FORMERS, FormResult, carried_first
+from odb_core.formers import FORMERS, FormResult, carried_first, fullest_batch
 from odb_core.sample import Sample
 
 
@@ -58,12 +58,17 @@ class RankAction(str, enum.Enum):
     OBSERVE = "Observe"
     EXHAUST = "Exhaust"
     FORM = "Form"
+    FORM_EARLY = "FormEarly"
+    """Optional (`ProtocolConfig.early_form`): the driver takes it instead of
+    OBSERVE when the next sample is not there yet. Not in spec/DGAP.tla yet; the
+    Python model (`odb_core.verify.model`) explores it."""
     CONTRIBUTE = "Contribute"
 
 
 _NOTHING: frozenset[RankAction] = frozenset()
 _NEEDS_SAMPLE = frozenset({RankAction.OBSERVE, RankAction.EXHAUST})
 _FORM = frozenset({RankAction.FORM})
+_NEEDS_SAMPLE_OR_EARLY = _NEEDS_SAMPLE | {RankAction.FORM_EARLY}
 _CONTRIBUTE = frozenset({RankAction.CONTRIBUTE})
 
 
@@ -357,6 +362,9 @@ class RankMachine:
             return _FORM
         if self.exhausted or starved:
             return _CONTRIBUTE
+        early = self.config.early_form
+        if early is not None and len(self.buffer) >= early and not self.formed:
+            return _NEEDS_SAMPLE_OR_EARLY
         return _NEEDS_SAMPLE
 
     @property
@@ -409,7 +417,7 @@ class RankMachine:
                     f"rank {self.rank}: sample id {sample.id!r} is not assigned to this rank"
                 )
             del self.queue[sample.id]
-            self.formed = False
+        self.formed = False
         sample = self._apply_oversize_policy(sample)
         self._seen.add(sample.id)
         self.buffer[sample.id] = sample
@@ -436,6 +444,20 @@ class RankMachine:
                 *batches, last = batches
                 leftovers = list(last.samples)
             self.formed = True
+        self.ready.extend(batches)
+        self.buffer = {s.id: s for s in leftovers}
+        return batches
+
+    def form_early(self) -> list[Batch]:
+        """Form the partial window without flush and emit only its fullest batch
+        (`formers.fullest_batch`); the rest, open batch included, waits for later
+        arrivals. Nothing is emitted when the window is one batch. Once per
+        observation: the next early form needs a new sample first."""
+        self._require(RankAction.FORM_EARLY)
+        batches, leftovers = fullest_batch(self._run_former(list(self.buffer.values()), False))
+        self.formed = True
+        if not leftovers:
+            return []
         self.ready.extend(batches)
         self.buffer = {s.id: s for s in leftovers}
         return batches

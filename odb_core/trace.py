@@ -73,6 +73,7 @@ def protocol_from_dict(d: dict[str, Any]) -> ProtocolConfig:
         grad_accum_steps=d.get("grad_accum_steps"),
         tokens_per_update=d.get("tokens_per_update"),
         carried=frozenset(int(i) for i in d.get("carried", ())),
+        early_form=d.get("early_form"),
     )
 
 
@@ -127,6 +128,11 @@ class TracingRankMachine(RankMachine):
     def form(self) -> list[Any]:
         batches = super().form()
         self.trace.events.append({"action": "Form"})
+        return batches
+
+    def form_early(self) -> list[Any]:
+        batches = super().form_early()
+        self.trace.events.append({"action": "FormEarly"})
         return batches
 
     def contribute(self) -> Contribution:

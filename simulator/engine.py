@@ -141,6 +141,12 @@ class SimConfig:
     faults: Faults = field(default_factory=Faults)
     tail_window: int = 12
     sharding: Sharding = Sharding.STATIC
+    early_form: int | None = None
+    """odb (join mode): `ProtocolConfig.early_form`, the least partial window a rank
+    forms early; None: off."""
+    early_form_wait_s: float = 0.25
+    """A rank forms early only if its next sample is not there yet and the rest of
+    its window would take longer than this to preprocess."""
 
     def __post_init__(self) -> None:
         for name in ("ranks", "buffer_size", "max_steps_per_round", "num_workers"):
@@ -153,6 +159,10 @@ class SimConfig:
             _positive("batch size", self.batch_size)
         if self.quota is not None:
             _positive("quota", self.quota)
+        if self.early_form is not None:
+            _positive("early_form", self.early_form)
+        if not (math.isfinite(self.early_form_wait_s) and self.early_form_wait_s >= 0):
+            raise ConfigError(f"early form wait {self.early_form_wait_s!r} must be >= 0 seconds")
         if not (math.isfinite(self.peer_timeout_s) and self.peer_timeout_s > 0):
             raise ConfigError(f"peer timeout {self.peer_timeout_s!r} must be > 0")
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -238,6 +248,11 @@ class SimConfig:
             "peer_timeout_s": self.peer_timeout_s,
             "strategies": list(self.strategies),
             "faults": self.faults.describe(),
+            **(
+                {"early_form": self.early_form, "early_form_wait_s": self.early_form_wait_s}
+                if self.early_form is not None
+                else {}
+            ),
         }
 
 
@@ -453,6 +468,7 @@ class _Run:
             quota=cfg.quota if mode is Mode.QUOTA else None,
             sharding=cfg.sharding,
             plan=tuple(self.perm) if cfg.sharding is Sharding.DYNAMIC else (),
+            early_form=cfg.early_form if mode is Mode.JOIN else None,
         )
         dynamic = protocol.dynamic
         machines = [RankMachine(r, protocol) for r in range(w)]
@@ -466,6 +482,14 @@ class _Run:
         def dealt(r: int) -> float:
             src = sources[r]
             return dealt_at[r][src.next] if dynamic and not src.dry else 0.0
+
+        def early(m: RankMachine, src: DataSource, t: float, not_before: float) -> bool:
+            # Form a partial window only when waiting for the rest of it would idle
+            # the rank for longer than the configured wait.
+            if src.peek(not_before) <= t:
+                return False
+            missing = min(cfg.buffer_size - len(m.buffer), src.remaining)
+            return src.fill_s(missing) > cfg.early_form_wait_s
 
         clock = [0.0] * w
         tr = self.trainer(self.budget)
@@ -501,6 +525,9 @@ class _Run:
                         if src.dry:
                             m.exhaust()
                             t = max(t, src.dry_at())
+                        elif RankAction.FORM_EARLY in en and early(m, src, t, dealt(r)):
+                            t += FORM_S_PER_SAMPLE * len(m.buffer)
+                            m.form_early()
                         else:
                             idx, t = src.pull(t, dealt(r))
                             m.observe(sample_of(idx))

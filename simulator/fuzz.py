@@ -105,7 +105,9 @@ class Schedule:
         them) is dealt by the core (`odb_core.assign`)."""
         longest = max((len(s) for s in self.shards), default=0)
         plan = tuple(s[j].id for j in range(longest) for s in self.shards if j < len(s))
-        config = replace(self.config, sharding=Sharding.DYNAMIC, plan=plan, carried=frozenset())
+        config = replace(
+            self.config, sharding=Sharding.DYNAMIC, plan=plan, carried=frozenset(), early_form=None
+        )
         return replace(self, config=config)
 
 
@@ -285,11 +287,15 @@ def random_schedule(seed: int, max_ranks: int, samples_hint: int = 24) -> Schedu
     quota = None
     if mode is Mode.QUOTA and next_id > 0 and rng.random() < 0.6:
         quota = rng.randint(1, next_id)
+    buffer_size = rng.choice([1, 1, 2, 3, 4, 8, 16, 64])
+    # Early forms from their own stream too (join mode, a window above 1).
+    erng = random.Random(seed ^ 0xEA21)
+    early = erng.random() < 0.3 and mode is Mode.JOIN and buffer_size > 1
     config = ProtocolConfig(
         world_size=world,
         budget=budget,
         cost_model=model,
-        buffer_size=rng.choice([1, 1, 2, 3, 4, 8, 16, 64]),
+        buffer_size=buffer_size,
         mode=mode,
         former=rng.choice(list(FormerKind)),
         oversize=oversize,
@@ -298,6 +304,7 @@ def random_schedule(seed: int, max_ranks: int, samples_hint: int = 24) -> Schedu
         deterministic=rng.random() < 0.2,
         grad_accum_steps=lrng.randint(1, 6) if window == "steps" else None,
         tokens_per_update=lrng.randint(1, 4 * budget_tokens) if window == "tokens" else None,
+        early_form=erng.randint(1, buffer_size - 1) if early else None,
     )
     speeds = [rng.uniform(0.05, 1.0) for _ in range(world)]
     for _ in range(rng.choice([0, 0, 1, 2])):
@@ -547,6 +554,9 @@ def _drive(
                 actions += 1
             elif RankAction.FORM in enabled:
                 m.form()
+                actions += 1
+            elif RankAction.FORM_EARLY in enabled and rng.random() < 0.5:
+                m.form_early()
                 actions += 1
             elif RankAction.OBSERVE in enabled:
                 if pending[r] or rng.random() >= sched.exhaust_delay:

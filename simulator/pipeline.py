@@ -23,6 +23,7 @@ class DataSource:
         "_nw",
         "_order",
         "_prep",
+        "_prep_sum",
         "_stalls",
         "_t0",
         "next",
@@ -50,6 +51,7 @@ class DataSource:
         self._last = t0
         self._t0 = t0
         self._stalls = tuple(stalls)
+        self._prep_sum = 0.0
         self.next = 0
 
     def __len__(self) -> int:
@@ -97,7 +99,16 @@ class DataSource:
         self._avail = None
         idx = self._order[self.next]
         self.next += 1
+        self._prep_sum += self._prep[idx]
         return idx, t
+
+    def fill_s(self, samples: int) -> float:
+        """Estimated seconds for the workers to deliver `samples` more: the mean
+        preprocessing time of those delivered so far (what a loader can measure)
+        over the workers; inf before the first delivery."""
+        if self.next == 0:
+            return float("inf")
+        return samples * self._prep_sum / self.next / self._nw
 
     def remaining_ids(self) -> list[int]:
         return list(self._order[self.next :])

@@ -56,6 +56,7 @@ CONSTANTS
     Plan,           \* the epoch's plan, a sequence of all ids (<<>> with static sharding)
     Target,         \* dynamic sharding: samples a rank is topped up to per round
     Carried,        \* quota mode: ids this pass took over from the last one's ledger
+    EarlyForm,      \* least partial window a rank may form early (FormEarly); 0 = never
     NoValue         \* model value: no contribution / empty inbox
 
 Ranks == 0 .. W - 1
@@ -85,6 +86,8 @@ ASSUME
                   /\ {Plan[p] : p \in DOMAIN Plan} = Ids
     /\ ~Dynamic => Plan = <<>>
     /\ Carried \subseteq Ids /\ (Mode = "join" => Carried = {})
+    /\ EarlyForm \in Nat
+    /\ EarlyForm > 0 => EarlyForm < K /\ Mode = "join" /\ ~Dynamic
 
 VARIABLES
     phase,          \* per rank: "filling" | "waiting" | "done"
@@ -452,6 +455,37 @@ HoldBack(res) ==
           leftovers |-> res.batches[Len(res.batches)]]
     ELSE res
 
+\* An early form (RankMachine.form_early): a rank with nothing ready and a
+\* partial window of at least EarlyForm samples may, instead of waiting for its
+\* next sample, form the window without flush and emit only its fullest batch
+\* (formers.fullest_batch: most tokens, the first on a tie); the rest waits for
+\* later arrivals.  Nothing is emitted when the window is one batch.  Once per
+\* observation (formed).  Whenever it is enabled, so is NeedsSample.
+CanFormEarly(r) ==
+    /\ EarlyForm > 0
+    /\ phase[r] = "filling" /\ ready[r] = <<>>
+    /\ ~exhausted[r] /\ ~Starved(r) /\ ~formed[r]
+    /\ EarlyForm <= Cardinality(buffer[r]) /\ Cardinality(buffer[r]) < K
+
+FullestIndex(bs) ==
+    CHOOSE j \in DOMAIN bs :
+        \A i \in DOMAIN bs :
+            \/ Tokens(bs[i]) < Tokens(bs[j])
+            \/ Tokens(bs[i]) = Tokens(bs[j]) /\ j <= i
+
+FormEarly(r) ==
+    /\ CanFormEarly(r)
+    /\ \E res \in {CarriedFirst(buffer[r], FALSE)} :
+         IF Len(res.batches) <= 1 /\ res.leftovers = {}
+         THEN UNCHANGED <<ready, buffer>>
+         ELSE \E b \in {res.batches[FullestIndex(res.batches)]} :
+                /\ ready' = [ready EXCEPT ![r] = <<b>>]
+                /\ buffer' = [buffer EXCEPT ![r] = @ \ b]
+    /\ formed' = [formed EXCEPT ![r] = TRUE]
+    /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
+                   window_loss, window_local, windows, pending, inbox, delivered, ledger,
+                   step_batches, step_counts, cursor>>
+
 \* Run the former on the window: a full window, the tail of a dry source, or
 \* the window of a starved rank (formed without flush, once).
 Form(r) ==
@@ -536,6 +570,7 @@ ProtocolNext ==
         \/ \E i \in Ids : Observe(r, i)
         \/ Exhaust(r)
         \/ Form(r)
+        \/ FormEarly(r)
         \/ Contribute(r)
         \/ Receive(r)
     \/ AllGather

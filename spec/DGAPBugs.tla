@@ -13,7 +13,7 @@ EXTENDS Naturals, Sequences, FiniteSets
 
 CONSTANTS W, Shard, SampleLen, SampleLoss, SamplePatches, Budget, MaxSamples, MaxPatches,
           CostModel, K, M, Mode, Quota, Deterministic, AccumSteps, TokensPerUpdate, NoValue,
-          Dynamic, Plan, Target, Carried, Bug
+          Dynamic, Plan, Target, Carried, EarlyForm, Bug
 
 VARIABLES phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution,
           window_loss, window_local, windows, pending, inbox, delivered, ledger,
@@ -201,6 +201,7 @@ ProtocolNext ==
         \/ \E i \in Ids : Observe(r, i)
         \/ Exhaust(r)
         \/ Form(r)
+        \/ D!FormEarly(r)
         \/ Contribute(r)
         \/ Receive(r)
     \/ AllGather

@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_tlc import require_tlc
 
 from odb_core.batch import Batch
+from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import AttentionAware, BatchStats, Budget, CostModel, PackedTokens, PaddedTokens
-from odb_core.formers import FORMERS, Former, FormerKind, FormResult, sort_window_greedy
+from odb_core.errors import ConfigError
+from odb_core.formers import (
+    FORMERS,
+    Former,
+    FormerKind,
+    FormResult,
+    fullest_batch,
+    sort_window_greedy,
+)
+from odb_core.protocol import RankAction, RankMachine
 from odb_core.sample import Sample
+from odb_core.trace import ProtocolTrace, TracingRankMachine
+from odb_core.verify.checker import check
+from odb_core.verify.model import ModelConfig, round_robin_shards
+from odb_core.verify.tlc import validate_trace_tlc
+from odb_core.verify.trace import validate_trace
 
 MODELS: list[CostModel] = [PackedTokens(), PaddedTokens(), AttentionAware(alpha=0.01)]
 
@@ -170,3 +188,163 @@ def test_best_fit_puts_zero_cost_samples_together() -> None:
     window = [Sample(0, 0), Sample(1, 0), Sample(2, 0)]
     r = FORMERS[FormerKind.BEST_FIT_DECREASING](window, Budget(8), PackedTokens(), True)
     assert _ids(r) == [[0, 1, 2]] and r.leftovers == []
+
+
+# ---- early forms: the fullest batch of a partial window -------------------------
+
+
+def test_fullest_batch_keeps_the_batch_with_most_tokens_and_returns_the_rest() -> None:
+    a = Batch((Sample(0, 5), Sample(1, 5)), False)  # 10 tokens
+    b = Batch((Sample(2, 6), Sample(3, 6)), False)  # 12 tokens, the fullest
+    c = Batch((Sample(4, 12),), False)  # 12 tokens too, but later
+    result = fullest_batch(FormResult([a, b, c], [Sample(5, 1)]))
+    assert result.batches == [b]
+    assert sorted(s.id for s in result.leftovers) == [0, 1, 4, 5]
+    one = FormResult([a], [Sample(5, 1)])
+    assert fullest_batch(one) == one
+    assert fullest_batch(FormResult([], [])) == FormResult([], [])
+
+
+@settings(max_examples=150, deadline=None)
+@given(windows, st.sampled_from(MODELS), st.integers(20, 200))
+def test_fullest_batch_of_a_partial_window_keeps_the_former_contract(
+    window: list[Sample], model: CostModel, tokens: int
+) -> None:
+    b = Budget(tokens)
+    result = fullest_batch(sort_window_greedy(window, b, model, False))
+    emitted = [s for batch in result.batches for s in batch.samples] + result.leftovers
+    assert Counter(emitted) == Counter(window)
+    assert len(result.batches) <= 1
+    if window:
+        assert result.batches
+    for batch in result.batches:
+        assert batch.oversize or b.fits(BatchStats.of(batch.samples), model)
+
+
+def _early(world: int, n: int, k: int, e: int, costs: list[int], budget: int) -> ModelConfig:
+    protocol = ProtocolConfig(
+        world_size=world,
+        budget=Budget(budget),
+        cost_model=PaddedTokens(),
+        buffer_size=k,
+        max_steps_per_round=2,
+        early_form=e,
+    )
+    return ModelConfig(protocol, round_robin_shards(costs[:n], world))
+
+
+class EarlyFormDropsTheRest(RankMachine):
+    """A broken early form: what it holds back is discarded, not kept for later."""
+
+    def form_early(self) -> list[Batch]:
+        batches = super().form_early()
+        if batches:
+            self.buffer = {}
+        return batches
+
+
+@pytest.mark.parametrize(
+    ("world", "n", "k", "e"), [(1, 5, 3, 1), (2, 6, 3, 2), (2, 7, 4, 2), (3, 7, 3, 2)]
+)
+def test_early_forms_keep_every_guarantee_in_every_interleaving(
+    world: int, n: int, k: int, e: int
+) -> None:
+    costs = [1, 3, 2, 2, 3, 1, 1]
+    r = check(_early(world, n, k, e, costs, 4))
+    assert r.complete and r.ok, [v.to_json() for v in r.violations]
+    assert r.deadlocks == 0 and r.acyclic and r.terminal_states >= 1
+    assert r.max_steps_seen <= r.steps_bound
+    # proofs/bounded_termination.md: at most N early forms on top of 2N + W + (2W + 1)(S + 1)
+    assert r.longest_schedule <= 3 * n + world + (2 * world + 1) * (r.steps_bound + 1)
+    cfg = _early(world, n, k, e, costs, 4)
+    plain = check(replace(cfg, protocol=replace(cfg.protocol, early_form=None)))
+    assert r.states > plain.states  # the early forms were explored
+
+
+def test_an_early_form_that_drops_what_it_holds_back_is_caught() -> None:
+    cfg = _early(2, 7, 4, 2, [1, 3, 2, 2, 3, 1, 1], 4)
+    r = check(replace(cfg, machine=EarlyFormDropsTheRest))
+    assert not r.ok and "NoLoss" in r.violated()
+
+
+def test_an_early_form_emits_only_the_fullest_batch_once_per_observation() -> None:
+    p = ProtocolConfig(
+        world_size=1, budget=Budget(4), cost_model=PaddedTokens(), buffer_size=8, early_form=3
+    )
+    m = RankMachine(0, p)
+    for s in (Sample(0, 2), Sample(1, 2)):
+        m.observe(s)
+    assert RankAction.FORM_EARLY not in m.enabled()  # below early_form
+    m.observe(Sample(2, 1))
+    assert m.enabled() == {RankAction.OBSERVE, RankAction.EXHAUST, RankAction.FORM_EARLY}
+    assert [s.id for b in m.form_early() for s in b.samples] == [0, 1]  # 2 x 2 = 4 tokens
+    assert sorted(m.buffer) == [2] and len(m.ready) == 1
+    assert RankAction.FORM_EARLY not in RankMachine(0, p).enabled()
+    m2 = RankMachine(0, p)
+    for s in (Sample(0, 1), Sample(1, 1), Sample(2, 1)):
+        m2.observe(s)
+    assert m2.form_early() == [] and sorted(m2.buffer) == [0, 1, 2]  # one batch: kept
+    assert RankAction.FORM_EARLY not in m2.enabled()  # once until the next observation
+    m2.observe(Sample(3, 4))
+    assert RankAction.FORM_EARLY in m2.enabled()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"early_form": 0}, "early_form=0"),
+        ({"early_form": 8}, "early_form=8 must be below buffer_size=8"),
+        ({"early_form": 2, "mode": Mode.QUOTA}, "needs mode='join'"),
+    ],
+)
+def test_early_form_config_is_validated(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ProtocolConfig(world_size=2, budget=Budget(4), buffer_size=8, **change)  # type: ignore[arg-type]
+
+
+def _traced_run_with_early_forms() -> ProtocolTrace:
+    p = ProtocolConfig(
+        world_size=2,
+        budget=Budget(4),
+        cost_model=PaddedTokens(),
+        buffer_size=4,
+        max_steps_per_round=2,
+        early_form=2,
+    )
+    lengths = [3, 1, 2, 3, 1, 2, 3, 1]
+    ms = [TracingRankMachine(r, p) for r in range(2)]
+    sources = [iter([Sample(i, lengths[i]) for i in range(r, 8, 2)]) for r in range(2)]
+    done = False
+    while not done:
+        contributions = []
+        for m, src in zip(ms, sources, strict=True):
+            while RankAction.CONTRIBUTE not in (en := m.enabled()):
+                if RankAction.FORM in en:
+                    m.form()
+                elif RankAction.FORM_EARLY in en:
+                    m.form_early()
+                elif (s := next(src, None)) is None:
+                    m.exhaust()
+                else:
+                    m.observe(s)
+            contributions.append(m.contribute())
+        results = [m.all_gather(contributions) for m in ms]  # every rank receives
+        done = results[0].done
+    return ProtocolTrace.from_machines(ms)
+
+
+def test_a_trace_with_early_forms_replays_in_the_python_model() -> None:
+    trace = _traced_run_with_early_forms()
+    assert sum(e["action"] == "FormEarly" for rt in trace.ranks for e in rt.events) >= 2
+    assert trace.protocol["early_form"] == 2
+    assert validate_trace(trace).ok
+    bad = copy.deepcopy(trace)
+    bad.ranks[0].events = [e for e in bad.ranks[0].events if e["action"] != "FormEarly"]
+    assert not validate_trace(bad).ok
+
+
+@pytest.mark.tlc
+def test_a_trace_with_early_forms_is_a_behaviour_of_the_spec() -> None:
+    require_tlc()
+    report = validate_trace_tlc(_traced_run_with_early_forms())
+    assert report.ok, report.reason

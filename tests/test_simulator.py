@@ -456,3 +456,40 @@ def test_dynamic_sharding_keeps_every_guarantee_and_shortens_the_tail() -> None:
     assert runs["dynamic"]["config"]["sharding"] == "dynamic"
     assert dynamic["tail_steps"] <= 1 < static["tail_steps"]
     assert dynamic["wall_s"] < static["wall_s"]
+
+
+def test_early_forms_keep_every_guarantee_and_cut_the_first_fill() -> None:
+    base = cfg("llava", 3000, 4, strategies=("odb",), cost="padded", buffer_size=1024)
+    early = SimConfig(**{**base.__dict__, "early_form": 128})
+    a, b = simulate(base), simulate(early)
+    assert b["config"]["early_form"] == 128 and "early_form" not in a["config"]
+    for out in (a, b):
+        m = out["strategies"]["odb"]
+        assert out["ok"] and m["lost_ids"] == 0 and m["duplicated_ids"] == 0
+        assert m["emitted_samples"] == 3000 and m["violations"] == []
+    # Deterministic model output: a rank no longer waits for 1,024 samples first.
+    wait = [out["strategies"]["odb"]["time_s"]["data_wait"] for out in (a, b)]
+    assert wait[1] < wait[0] / 2, wait
+    # A wait longer than any window's fill: no early form, the same run as without.
+    never = simulate(SimConfig(**{**early.__dict__, "early_form_wait_s": 1e9}))
+    assert never["strategies"]["odb"] == a["strategies"]["odb"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"early_form": 0}, "early_form=0"), ({"early_form_wait_s": -1.0}, "early form wait -1.0")],
+)
+def test_early_form_settings_are_validated(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        cfg("llava", 100, 2, **change)
+
+
+def test_fuzzed_schedules_with_early_forms_keep_every_guarantee() -> None:
+    from simulator.fuzz import random_schedule, run_schedule
+
+    scheds = [s for s in (random_schedule(seed, 16) for seed in range(400)) if s.config.early_form]
+    assert len(scheds) >= 40
+    for sched in scheds[:40]:
+        o = run_schedule(sched)
+        assert o.ok, (sched.seed, o.violations)
+        assert o.steps <= o.steps_bound

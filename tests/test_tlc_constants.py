@@ -51,6 +51,7 @@ def expected_constants(d: dict[str, Any]) -> dict[str, Any]:
         "SamplePatches": list(m.get("patches") or [0] * n),
         "Dynamic": dynamic,
         "Target": m["assign_target"] if dynamic else 0,
+        "EarlyForm": m.get("early_form") or 0,
         "Plan": list(range(n)) if dynamic else [],
         "Carried": sorted(m.get("carried") or []),
         **({"Bug": d["bug"]} if d.get("bug") else {}),

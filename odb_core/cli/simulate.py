@@ -86,6 +86,23 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=FormerKind.SORT_WINDOW_GREEDY.value,
         help="odb and odb-quota's batch former (default: the loader's, greedy)",
     )
+    p.add_argument(
+        "--early-form",
+        type=positive_int,
+        default=None,
+        metavar="K0",
+        help="odb: a rank with nothing ready forms its partial window (at least K0 "
+        "samples) early, emitting only its fullest batch, when waiting for the rest "
+        "would idle it longer than --early-form-wait (default: off)",
+    )
+    p.add_argument(
+        "--early-form-wait",
+        type=_nonneg_float,
+        default=0.25,
+        metavar="S",
+        help="seconds of expected preprocessing for the rest of the window above "
+        "which a rank forms early (default 0.25)",
+    )
     p.add_argument("--max-steps-per-round", type=positive_int, default=8)
     p.add_argument(
         "--sharding",
@@ -273,6 +290,8 @@ def build_configs(args: argparse.Namespace) -> list[Any]:
                     faults=faults,
                     tail_window=args.tail_window,
                     sharding=Sharding(args.sharding),
+                    early_form=args.early_form,
+                    early_form_wait_s=args.early_form_wait,
                 )
             )
     return configs

@@ -216,6 +216,8 @@ class GlobalModel:
                     actions.append(Action("Exhaust", r))
             if RankAction.FORM in local:
                 actions.append(Action("Form", r))
+            if RankAction.FORM_EARLY in local:
+                actions.append(Action("FormEarly", r))
             if RankAction.CONTRIBUTE in local:
                 actions.append(Action("Contribute", r))
             if state.inbox[r] is not None:
@@ -265,6 +267,8 @@ class GlobalModel:
             m.exhaust()
         elif action.name == "Form":
             m.form()
+        elif action.name == "FormEarly":
+            m.form_early()
         elif action.name == "Contribute":
             m.contribute()
         else:

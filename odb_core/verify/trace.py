@@ -234,7 +234,7 @@ def _action(event: dict[str, Any], rank: int, id_map: dict[int, int]) -> Action:
     name = event.get("action")
     if name == "Observe":
         return Action("Observe", rank, id_map[int(event["sample"][0])])
-    if name in ("Exhaust", "Form", "Contribute", "Receive"):
+    if name in ("Exhaust", "Form", "FormEarly", "Contribute", "Receive"):
         return Action(str(name), rank)
     raise ConfigError(f"unknown trace action {name!r}")
 

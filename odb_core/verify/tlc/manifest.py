@@ -55,6 +55,7 @@ class ManifestModel:
     sharding: str = "static"  # "dynamic": Sharding.DYNAMIC over the plan 0 .. n-1
     assign_target: int | None = None
     carried: tuple[int, ...] = ()  # quota mode: ids carried in from the last pass's ledger
+    early_form: int | None = None  # ProtocolConfig.early_form: FormEarly's least window
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ManifestModel:
@@ -93,6 +94,7 @@ class ManifestModel:
             sharding=str(m.get("sharding", "static")),
             assign_target=m.get("assign_target"),
             carried=tuple(int(x) for x in m.get("carried", ())),
+            early_form=m.get("early_form"),
         )
 
     def model_config(self, machine: type[RankMachine] = RankMachine) -> ModelConfig:
@@ -112,6 +114,7 @@ class ManifestModel:
             grad_accum_steps=self.grad_accum_steps,
             tokens_per_update=self.tokens_per_update,
             carried=frozenset(self.carried),
+            early_form=self.early_form,
         )
         if self.sharding == "dynamic":
             protocol = replace(

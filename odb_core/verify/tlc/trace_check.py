@@ -30,6 +30,7 @@ Ev(a, r, i, c, s, y, yk, g, gk, d) ==
 Obs(r, i) == Ev("Observe", r, i, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
 Exh(r) == Ev("Exhaust", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
 Frm(r) == Ev("Form", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
+FrE(r) == Ev("FormEarly", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
 Con(r, o, f, s, t, l) ==
     Ev("Contribute", r, 0,
        [offered |-> o, final |-> f, samples |-> s, tokens |-> t, loss_tokens |-> l,
@@ -62,6 +63,7 @@ TraceStep(e) ==
     CASE e.a = "Observe" -> Observe(e.r, e.i)
       [] e.a = "Exhaust" -> Exhaust(e.r)
       [] e.a = "Form" -> Form(e.r)
+      [] e.a = "FormEarly" -> FormEarly(e.r)
       [] e.a = "Contribute" -> Contribute(e.r) /\ contribution'[e.r] = e.c
       [] e.a = "AllGather" -> AllGather
       [] e.a = "Receive" -> Receive(e.r) /\ Emits(e)
@@ -156,6 +158,8 @@ def _trace_log(
             literals.append(f"Exh({r})")
         elif name == "Form":
             literals.append(f"Frm({r})")
+        elif name == "FormEarly":
+            literals.append(f"FrE({r})")
         elif name == "Contribute":
             c = Contribution.from_vector(e["vector"], max_steps)
             literals.append(
