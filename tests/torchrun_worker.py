@@ -34,7 +34,13 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    # torchrun SIGTERMs the other workers as soon as its monitor sees one die, which
+    # can come before a survivor has heard of the failure and said whom it blames:
+    # a test of what survivors report ignores SIGTERM (torchrun SIGKILLs after 30 s).
+    p.add_argument("--ignore-sigterm", action="store_true")
     a = p.parse_args()
+    if a.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
     init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
