@@ -39,7 +39,7 @@ check: lint typecheck fast
 # Includes the fixed mutation regression (tests/test_oracle_overshoot.py,
 # tests/test_core_edges.py; docs/VERIFICATION.md); `make mutants` is the full run.
 unit: $(STAMP)
-	$(VENV)/bin/pytest -m "not slow_tlc"
+	$(VENV)/bin/pytest -m "not slow_tlc" --durations=15
 
 test: lint typecheck unit
 

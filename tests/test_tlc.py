@@ -249,6 +249,27 @@ def test_liveness_is_checked_on_the_final_graph(monkeypatch: pytest.MonkeyPatch)
     assert cmd[cmd.index("-lncheck") + 1] == "final"
 
 
+def test_short_runs_stop_at_c1_and_the_slow_models_keep_c2(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default models run for seconds, where C2 costs more than it saves
+    (`SHORT_RUN_JVM`); the slow models run for minutes and keep it."""
+    seen: dict[str, list[str]] = {}
+
+    def fake_run(cmd: list[str], **kw: object) -> object:
+        seen[cmd[-1]] = cmd
+        raise subprocess.TimeoutExpired(cmd, 0)
+
+    monkeypatch.setattr(tlc, "find_java", lambda: "java")
+    monkeypatch.setattr(tlc, "find_jar", lambda: Path("tla2tools.jar"))
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    (slow, *_), fast = sorted(SLOW_MODELS), "MCjoin_w2_n4_k1"
+    for name in (slow, fast):
+        tlc.run_model(BY_NAME[name])
+    c1 = "-XX:TieredStopAtLevel=1"
+    assert c1 in seen[f"{fast}.tla"] and c1 not in seen[f"{slow}.tla"]
+
+
 @pytest.mark.tlc
 def test_loss_and_window_bug_models_break_the_named_guarantee() -> None:
     """Counting cost tokens as loss tokens breaks ExactLossScaling; closing windows

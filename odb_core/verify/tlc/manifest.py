@@ -16,7 +16,7 @@ from odb_core.protocol import RankMachine
 from odb_core.verify.model import ModelConfig, round_robin_shards
 from odb_core.verify.tlc.install import SPEC_INVARIANTS, SPEC_PROPERTIES, spec_dir
 from odb_core.verify.tlc.render import CheckSpec, render_model
-from odb_core.verify.tlc.run import TLCResult, run_tlc
+from odb_core.verify.tlc.run import SHORT_RUN_JVM, TLCResult, run_tlc
 
 # ---------------------------------------------------------------------------
 # The manifest of models
@@ -181,6 +181,7 @@ def run_model(
         dump_dot=dump_dot,
         timeout=timeout,
         keep_dir=keep_dir,
+        java_opts=() if m.slow else SHORT_RUN_JVM,
     )
 
 

@@ -272,6 +272,13 @@ def _parse_trace(output: str) -> tuple[list[TraceState], int | None]:
     return trace, loop_to
 
 
+#: For runs of seconds (the manifest's default models, trace replays): the JVM's
+#: optimizing compiler (C2) costs more CPU than it saves there, so they stop at C1.
+#: Measured on the 53 default models, two at a time: 190 s of CPU (98 s wall) with
+#: C2, 109 s (62 s) with C1, the same counts. Long runs keep C2.
+SHORT_RUN_JVM = ("-XX:TieredStopAtLevel=1",)
+
+
 def run_tlc(
     name: str,
     files: Mapping[str, str],

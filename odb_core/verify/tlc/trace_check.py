@@ -11,7 +11,7 @@ from odb_core.protocol import Contribution
 from odb_core.verify.model import ModelConfig
 from odb_core.verify.tlc.install import SPEC_INVARIANTS, SpecUnsupported
 from odb_core.verify.tlc.render import spec_constants, tla_value
-from odb_core.verify.tlc.run import TLCResult, run_tlc
+from odb_core.verify.tlc.run import SHORT_RUN_JVM, TLCResult, run_tlc
 from odb_core.verify.trace import ProtocolTrace, TraceReport, scale_mismatch, trace_model
 
 # ---------------------------------------------------------------------------
@@ -249,6 +249,7 @@ def check_trace(trace: Any, *, timeout: float | None = 600) -> TraceCheck:
         {f"{TRACE_MODULE}.tla": tla, f"{TRACE_MODULE}.cfg": cfg_text},
         deadlock=True,
         timeout=timeout,
+        java_opts=SHORT_RUN_JVM,
     )
     check = TraceCheck(False, "", events, res, cfg, dict(id_map))
     pc = None
