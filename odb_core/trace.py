@@ -27,6 +27,9 @@ from odb_core.sample import Sample
 #: 2: the all-gather vector carries loss tokens (2 + 3M integers), Receives `sync`.
 #: 3: each rank's epoch plan, each Receive's per-step global counts (`global`), and
 #: the loss scale of every step the training loop received (`scales`).
+#: Dynamic sharding (`sharding='dynamic'`) adds, within version 3, the protocol's
+#: epoch `plan`, the vector's held tail (unread, held, held work) and each Receive's
+#: `dealt` ids; static-sharding traces are unchanged by it.
 TRACE_VERSION = 3
 
 
@@ -52,6 +55,8 @@ def cost_model_from_dict(d: dict[str, Any]) -> CostModel:
 def protocol_to_dict(cfg: ProtocolConfig) -> dict[str, Any]:
     out = cfg.describe()
     out["cost_model"] = cost_model_to_dict(cfg.cost_model)
+    if cfg.dynamic:  # the epoch's plan: every rank deals from it (not in describe())
+        out["plan"] = list(cfg.plan)
     if cfg.carried:
         out["carried"] = sorted(cfg.carried)
     return out
@@ -74,6 +79,9 @@ def protocol_from_dict(d: dict[str, Any]) -> ProtocolConfig:
         tokens_per_update=d.get("tokens_per_update"),
         carried=frozenset(int(i) for i in d.get("carried", ())),
         early_form=d.get("early_form"),
+        sharding=d.get("sharding", "static"),
+        plan=tuple(int(i) for i in d.get("plan", ())),
+        assign_target=d.get("assign_target"),
     )
 
 
@@ -87,10 +95,14 @@ class RankTrace:
     {"action": "Receive", "steps": [[ids...] | null (pad), ...],
      "sync": [bool, ...] (an optimizer window closed at the step),
      "global": [[samples, cost tokens, loss tokens], ...] (each step's global counts),
-     "done": bool}.
+     "dealt": [ids...] (dynamic sharding only: the plan ids the round's deal gave
+     this rank, in plan order), "done": bool}.
+    With dynamic sharding the vector ends with the held tail (`Contribution.
+    to_vector(M, dynamic=True)`: unread, held, held work).
     `plan`: the ids this rank must see this epoch (its shard, resume exclusions
-    removed), or None when the driver does not know it (a stream): every planned
-    id must be observed, except those a quota close carries unread. `scales`: the
+    removed), or None when the driver does not know it (a stream, or dynamic
+    sharding: the epoch's plan is the protocol's `plan`, dealt as the run goes):
+    every planned id must be observed, except those a quota close carries unread. `scales`: the
     loss scale of each step the training loop received, in step order, or None
     when the driver does not record them.
     A 4-field sample (no loss_tokens: every text token counts) and a Receive
@@ -137,23 +149,25 @@ class TracingRankMachine(RankMachine):
 
     def contribute(self) -> Contribution:
         c = super().contribute()
-        vector = c.to_vector(self.config.max_steps_per_round)
+        vector = c.to_vector(self.config.max_steps_per_round, self.config.dynamic)
         self.trace.events.append({"action": "Contribute", "vector": vector})
         return c
 
     def all_gather(self, contributions: Sequence[Contribution]) -> RoundResult:
+        unread = set(self.queue)
         result = super().all_gather(contributions)
-        self.trace.events.append(
-            {
-                "action": "Receive",
-                "steps": [None if s.is_pad else list(s.sample_ids) for s in result.steps],
-                "sync": [s.sync_gradients for s in result.steps],
-                "global": [
-                    [s.global_samples, s.global_tokens, s.global_loss_tokens] for s in result.steps
-                ],
-                "done": result.done,
-            }
-        )
+        event: dict[str, Any] = {
+            "action": "Receive",
+            "steps": [None if s.is_pad else list(s.sample_ids) for s in result.steps],
+            "sync": [s.sync_gradients for s in result.steps],
+            "global": [
+                [s.global_samples, s.global_tokens, s.global_loss_tokens] for s in result.steps
+            ],
+            "done": result.done,
+        }
+        if self.config.dynamic:
+            event["dealt"] = [i for i in self.queue if i not in unread]
+        self.trace.events.append(event)
         return result
 
 
@@ -197,6 +211,13 @@ class ProtocolTrace:
         ms = sorted(machines, key=lambda m: m.rank)
         if not ms:
             raise ConfigError("a trace needs at least one rank")
+        if ms[0].config.dynamic:
+            # No rank has a plan of its own: the protocol's plan is dealt as the run
+            # goes (a driver may have set a rank's first share here).
+            return ProtocolTrace(
+                protocol_to_dict(ms[0].config),
+                [RankTrace(m.trace.rank, m.trace.events, None, m.trace.scales) for m in ms],
+            )
         return ProtocolTrace(protocol_to_dict(ms[0].config), [m.trace for m in ms])
 
     def save(self, path: str | Path) -> None:

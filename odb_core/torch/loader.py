@@ -259,16 +259,12 @@ class ODBDataLoader:
             sharding=sharding,  # type: ignore[arg-type]
         )
         if self.config.dynamic and (
-            iterable
-            or id_fn is not None
-            or not partition
-            or self.config.mode is not Mode.JOIN
-            or trace_dir is not None
+            iterable or id_fn is not None or not partition or self.config.mode is not Mode.JOIN
         ):
             raise ConfigError(
                 "sharding='dynamic' deals dataset indices to ranks each round; it needs a "
                 "map-style dataset whose ids are its indices, partition=True and mode='join' "
-                "(quota mode and traces follow static sharding for now)"
+                "(quota mode follows static sharding for now)"
             )
         if (
             not iterable

@@ -308,19 +308,37 @@ def python_edge_names(labels: Iterable[str]) -> list[str]:
     return [label.split("(", 1)[0] for label in labels]
 
 
-def record_random_trace(cfg: ModelConfig, seed: int, *, prefetch: float = 0.5) -> ProtocolTrace:
-    """Run W TracingRankMachines on `cfg`'s shards under a random schedule (arrival
-    order, rank order, prefetch while a collective is in flight) and return the
-    recorded trace, as a real run would record it."""
+def record_random_trace(
+    cfg: ModelConfig,
+    seed: int,
+    *,
+    prefetch: float = 0.5,
+    machine: type[TracingRankMachine] = TracingRankMachine,
+) -> ProtocolTrace:
+    """Run W TracingRankMachines on `cfg`'s shards (with dynamic sharding: on what
+    each round's deal gives each rank) under a random schedule (arrival order, rank
+    order, prefetch while a collective is in flight) and return the recorded trace,
+    as a real run would record it. `machine`: the recording class (a test's
+    broken variant of the core, say)."""
     rng = random.Random(seed)
     p = cfg.protocol
-    machines = [TracingRankMachine(r, p) for r in range(p.world_size)]
+    machines = [machine(r, p) for r in range(p.world_size)]
     sources = [list(shard) for shard in cfg.shards]
     if not p.deterministic:
         for src in sources:
             rng.shuffle(src)
 
+    def dealt(r: int) -> Sample | None:
+        """Dynamic sharding: the source yields what the deals gave the rank (in plan
+        order when deterministic, in any order otherwise)."""
+        queue = list(machines[r].queue)
+        if not queue:
+            return None
+        return cfg.sample(queue[0] if p.deterministic else rng.choice(queue))
+
     def puller(r: int) -> Callable[[], Sample | None]:
+        if p.dynamic:
+            return lambda: dealt(r)
         return lambda: sources[r].pop(0) if sources[r] else None
 
     while any(m.phase.value != "done" for m in machines):

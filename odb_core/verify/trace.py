@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from odb_core.config import Mode
+from odb_core.config import Mode, ProtocolConfig
 from odb_core.errors import ConfigError
 from odb_core.protocol import StepInfo
 from odb_core.sample import Sample
@@ -76,6 +76,8 @@ def trace_model(trace: ProtocolTrace) -> tuple[ModelConfig, dict[int, int]]:
     observed = [
         [Sample(*e["sample"]) for e in r.events if e["action"] == "Observe"] for r in trace.ranks
     ]
+    if protocol.dynamic:
+        return _dynamic_trace_model(trace, protocol, observed)
     ids = sorted(s.id for shard in observed for s in shard)
     if len(set(ids)) != len(ids):
         raise ConfigError("trace observes some sample id on two ranks or twice")
@@ -107,6 +109,59 @@ def trace_model(trace: ProtocolTrace) -> tuple[ModelConfig, dict[int, int]]:
         carried = frozenset(id_map[i] for i in protocol.carried if i in id_map)
         protocol = replace(protocol, carried=carried)
     return ModelConfig(protocol, shards), id_map
+
+
+def _dynamic_trace_model(
+    trace: ProtocolTrace, protocol: ProtocolConfig, observed: list[list[Sample]]
+) -> tuple[ModelConfig, dict[int, int]]:
+    """`trace_model` of a dynamic-sharding run: the ids are the epoch's plan (the
+    protocol's), renumbered 0..N-1 in id order with the plan's order kept; no rank
+    owns a shard, so the shards are only the model's sample store (each id as its
+    first observation records it, an id no rank observed costing 1, never read).
+    Which rank may observe which id is the replay's to check, deal by deal: an id
+    observed twice, or by a rank it was not dealt to, is rejected there
+    (`TraceObservesDealt`), not here."""
+    if not isinstance(trace.protocol.get("plan"), list):
+        raise ConfigError(
+            "a sharding='dynamic' trace without the epoch's plan (`protocol.plan`) cannot "
+            "have its deals replayed; record the run again with this odb-core"
+        )
+    with_plan = [rt.rank for rt in trace.ranks if rt.plan is not None]
+    if with_plan:
+        raise ConfigError(
+            f"ranks {with_plan} of a sharding='dynamic' trace carry an epoch plan of their "
+            "own; with dynamic sharding the epoch's plan is the protocol's `plan`"
+        )
+    no_deal = [
+        (rt.rank, k)
+        for rt in trace.ranks
+        for k, e in enumerate(rt.events)
+        if e["action"] == "Receive" and e.get("dealt") is None
+    ]
+    if no_deal:
+        r, k = no_deal[0]
+        raise ConfigError(
+            f"rank {r}'s Receive (event {k}) of a sharding='dynamic' trace records no `dealt` ids"
+        )
+    planned = set(protocol.plan)
+    outside = sorted({s.id for shard in observed for s in shard} - planned)
+    if outside:
+        raise ConfigError(f"the ranks observed ids {outside[:10]} outside the epoch's plan")
+    id_map = {old: new for new, old in enumerate(sorted(planned))}
+    first: dict[int, tuple[int, Sample]] = {}
+    for r, shard in enumerate(observed):
+        for s in shard:
+            first.setdefault(s.id, (r, s))
+    shards: list[list[Sample]] = [[] for _ in range(protocol.world_size)]
+    for i in sorted(planned):
+        r, s = first.get(i, (0, Sample(i, 1)))
+        shards[r].append(s._replace(id=id_map[i]))
+    protocol = replace(
+        protocol,
+        plan=tuple(id_map[i] for i in protocol.plan),
+        carried=frozenset(id_map[i] for i in protocol.carried if i in id_map),
+    )
+    return ModelConfig(protocol, tuple(tuple(s) for s in shards)), id_map
 
 
 def plan_gaps(trace: ProtocolTrace) -> dict[int, list[int]]:
@@ -180,6 +235,7 @@ def validate_trace(trace: ProtocolTrace) -> TraceReport:
     def fail(reason: str) -> TraceReport:
         return TraceReport(False, labels, reason, cfg, id_map)
 
+    original = {new: old for old, new in id_map.items()}
     gaps = plan_gaps(trace)
     if gaps and cfg.protocol.mode is Mode.JOIN:
         r, missing = next(iter(gaps.items()))
@@ -193,12 +249,16 @@ def validate_trace(trace: ProtocolTrace) -> TraceReport:
         for r, rt in enumerate(trace.ranks):
             while cursors[r] < len(rt.events):
                 event = rt.events[cursors[r]]
+                if cfg.protocol.dynamic:
+                    undealt = _undealt_event(event, r, cursors[r], state, cfg, id_map, original)
+                    if undealt:
+                        return fail(undealt)
                 action = _action(event, r, id_map)
                 if action not in model.enabled(state):
                     break
                 before = state
                 state = model.step(state, action)
-                mismatch = _decision_mismatch(event, before, state, r, cfg, id_map)
+                mismatch = _decision_mismatch(event, before, state, r, cfg, id_map, original)
                 if mismatch:
                     labels.append(action.label)
                     return fail(f"{action.label} (event {cursors[r]} of rank {r}): {mismatch}")
@@ -239,6 +299,51 @@ def _action(event: dict[str, Any], rank: int, id_map: dict[int, int]) -> Action:
     raise ConfigError(f"unknown trace action {name!r}")
 
 
+def _undealt_event(
+    event: dict[str, Any],
+    r: int,
+    index: int,
+    state: GlobalState,
+    cfg: ModelConfig,
+    id_map: dict[int, int],
+    original: dict[int, int],
+) -> str:
+    """Dynamic sharding: the rank's next event reads its source beyond what it was
+    dealt. Named as the trace module's invariants (`odb_core.verify.tlc.trace_check`),
+    which TLC checks before the same event. Empty when it does not."""
+    name = event.get("action")
+    if name == "Observe":
+        raw = int(event["sample"][0])
+        i = id_map[raw]
+        if i in state.pending[r]:
+            return ""
+        holders = [
+            q
+            for q, rs in enumerate(state.ranks)
+            if i in state.pending[q]
+            or any(s.id == i for s in rs.buffer)
+            or any(i in b.ids for b in rs.ready)
+            or any(i in batch for batch in state.step_batches[q])
+        ]
+        if holders:
+            why = f"the deal gave it to rank {holders[0]}"
+        else:
+            why = "no deal gave it to any rank yet"
+        return (
+            f"TraceObservesDealt: rank {r} observes id {raw} (event {index}), which was "
+            f"not dealt to it: {why}"
+        )
+    if name == "Exhaust":
+        unread = sorted(original[i] for i in state.pending[r])
+        left = len(cfg.protocol.plan) - state.ranks[r].cursor
+        if unread or left:
+            return (
+                f"TraceExhaustsDealtOut: rank {r} exhausts its source (event {index}) with "
+                f"{left} plan ids not dealt and dealt ids {unread[:10]} unread"
+            )
+    return ""
+
+
 def _decision_mismatch(
     event: dict[str, Any],
     before: GlobalState,
@@ -246,12 +351,13 @@ def _decision_mismatch(
     r: int,
     cfg: ModelConfig,
     id_map: dict[int, int],
+    original: dict[int, int],
 ) -> str:
     name = event["action"]
     if name == "Contribute":
         c = after.ranks[r].contribution
         assert c is not None
-        model_vector = c.to_vector(cfg.protocol.max_steps_per_round)
+        model_vector = c.to_vector(cfg.protocol.max_steps_per_round, cfg.protocol.dynamic)
         if list(event["vector"]) != model_vector:
             return f"recorded vector {event['vector']} but the model contributes {model_vector}"
     if name == "Receive":
@@ -289,6 +395,14 @@ def _decision_mismatch(
                 )
         if bool(event["done"]) != (after.ranks[r].phase.value == "done"):
             return "recorded end of epoch differs from the model's"
+        if cfg.protocol.dynamic:
+            unread = set(before.ranks[r].queue)
+            dealt = [original[i] for i in after.ranks[r].queue if i not in unread]
+            if [int(i) for i in event["dealt"]] != dealt:
+                return (
+                    f"TraceDealMatches: recorded dealt ids {event['dealt']} but the round's "
+                    f"deal gives rank {r} {dealt}"
+                )
     return ""
 
 

@@ -24,22 +24,25 @@ _TRACE_DEFS = r"""NoVec == [offered |-> 0, final |-> FALSE, samples |-> <<>>, to
 \* y: for each step of a Receive, whether an optimizer window closed at it
 \* (its sync_gradients); yk: y was recorded (older traces lack it).
 \* g: for each step, its global <<samples, cost tokens, loss tokens>>; gk: recorded.
-Ev(a, r, i, c, s, y, yk, g, gk, d) ==
+\* dl: dynamic sharding, the plan ids the round's deal gave the rank; dk: recorded.
+Ev(a, r, i, c, s, y, yk, g, gk, d, dl, dk) ==
     [a |-> a, r |-> r, i |-> i, c |-> c, s |-> s, y |-> y, yk |-> yk, g |-> g, gk |-> gk,
-     d |-> d]
-Obs(r, i) == Ev("Observe", r, i, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
-Exh(r) == Ev("Exhaust", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
-Frm(r) == Ev("Form", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
-FrE(r) == Ev("FormEarly", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
-Con(r, o, f, s, t, l) ==
+     d |-> d, dl |-> dl, dk |-> dk]
+Obs(r, i) == Ev("Observe", r, i, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE, {}, FALSE)
+Exh(r) == Ev("Exhaust", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE, {}, FALSE)
+Frm(r) == Ev("Form", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE, {}, FALSE)
+FrE(r) == Ev("FormEarly", r, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE, {}, FALSE)
+ConD(r, o, f, s, t, l, u, h, w) ==
     Ev("Contribute", r, 0,
        [offered |-> o, final |-> f, samples |-> s, tokens |-> t, loss_tokens |-> l,
-        unread |-> 0, held |-> 0, held_work |-> 0],
-       <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
-Gat == Ev("AllGather", 0, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE)
-Rcv(r, s, d) == Ev("Receive", r, 0, NoVec, s, <<>>, FALSE, <<>>, FALSE, d)
-RcvW(r, s, y, d) == Ev("Receive", r, 0, NoVec, s, y, TRUE, <<>>, FALSE, d)
-RcvG(r, s, y, g, d) == Ev("Receive", r, 0, NoVec, s, y, TRUE, g, TRUE, d)
+        unread |-> u, held |-> h, held_work |-> w],
+       <<>>, <<>>, FALSE, <<>>, FALSE, FALSE, {}, FALSE)
+Con(r, o, f, s, t, l) == ConD(r, o, f, s, t, l, 0, 0, 0)
+Gat == Ev("AllGather", 0, 0, NoVec, <<>>, <<>>, FALSE, <<>>, FALSE, FALSE, {}, FALSE)
+Rcv(r, s, d) == Ev("Receive", r, 0, NoVec, s, <<>>, FALSE, <<>>, FALSE, d, {}, FALSE)
+RcvW(r, s, y, d) == Ev("Receive", r, 0, NoVec, s, y, TRUE, <<>>, FALSE, d, {}, FALSE)
+RcvG(r, s, y, g, d) == Ev("Receive", r, 0, NoVec, s, y, TRUE, g, TRUE, d, {}, FALSE)
+RcvD(r, s, y, g, d, dl) == Ev("Receive", r, 0, NoVec, s, y, TRUE, g, TRUE, d, dl, TRUE)
 """
 
 _TRACE_SPEC = r"""
@@ -58,6 +61,7 @@ Emits(e) ==
         /\ Len(e.g) = Len(e.s)
         /\ \A t \in 1 .. Len(e.g) : step_counts'[e.r][steps[e.r] + t] = e.g[t]
     /\ (phase'[e.r] = "done") = e.d
+    /\ e.dk => pending'[e.r] \ pending[e.r] = e.dl
 
 TraceStep(e) ==
     CASE e.a = "Observe" -> Observe(e.r, e.i)
@@ -67,6 +71,22 @@ TraceStep(e) ==
       [] e.a = "Contribute" -> Contribute(e.r) /\ contribution'[e.r] = e.c
       [] e.a = "AllGather" -> AllGather
       [] e.a = "Receive" -> Receive(e.r) /\ Emits(e)
+
+\* Dynamic sharding: the next event of the log reads no further than the deals
+\* (checked in the state before it, so TLC names the event; the Python replay
+\* checks the same under the same names, odb_core.verify.trace).
+NextEv == Log[pc + 1]
+NextIs(a) == Dynamic /\ pc < Len(Log) /\ NextEv.a = a
+\* A rank observes only an id dealt to it and not yet observed.
+TraceObservesDealt == NextIs("Observe") => NextEv.i \in pending[NextEv.r]
+\* A rank finds its source dry only when it read all it was dealt and the plan
+\* is dealt out.
+TraceExhaustsDealtOut ==
+    NextIs("Exhaust") => pending[NextEv.r] = {} /\ cursor[NextEv.r] = Len(Plan)
+\* The ids a rank records as dealt are its slice of the round's Deal.
+TraceDealMatches ==
+    (NextIs("Receive") /\ NextEv.dk /\ inbox[NextEv.r] # NoValue)
+        => NextEv.dl = InboxSlice(NextEv.r)
 
 TraceInit == Init /\ pc = 0
 TraceNext == pc < Len(Log) /\ TraceStep(Log[pc + 1]) /\ pc' = pc + 1
@@ -125,8 +145,17 @@ def linearize(ranks: Sequence[Sequence[dict[str, Any]]]) -> list[tuple[int | Non
     return order
 
 
+#: The trace module's own invariants (dynamic sharding), checked before each event;
+#: the Python replay rejects the same events under the same names.
+TRACE_INVARIANTS: dict[str, str] = {
+    "TraceObservesDealt": "observes an id that was not dealt to its rank",
+    "TraceExhaustsDealtOut": "finds the source dry with dealt ids unread or plan ids not dealt",
+    "TraceDealMatches": "records dealt ids other than its slice of the round's deal",
+}
+
+
 def _trace_log(
-    trace: Any, id_map: Mapping[int, int], max_steps: int
+    trace: Any, id_map: Mapping[int, int], max_steps: int, dynamic: bool = False
 ) -> tuple[list[TraceEvent], list[str]]:
     """The linearised events and their TLA+ literals."""
     fresh = max(id_map.values(), default=-1) + 1
@@ -161,15 +190,24 @@ def _trace_log(
         elif name == "FormEarly":
             literals.append(f"FrE({r})")
         elif name == "Contribute":
-            c = Contribution.from_vector(e["vector"], max_steps)
-            literals.append(
-                f"Con({r}, {c.offered}, {tla_value(c.final)}, {tla_value(c.samples)}, "
-                f"{tla_value(c.tokens)}, {tla_value(c.loss_tokens)})"
+            c = Contribution.from_vector(e["vector"], max_steps, dynamic)
+            head = (
+                f"{r}, {c.offered}, {tla_value(c.final)}, {tla_value(c.samples)}, "
+                f"{tla_value(c.tokens)}, {tla_value(c.loss_tokens)}"
             )
+            if dynamic:
+                literals.append(f"ConD({head}, {c.unread}, {c.held}, {c.held_work})")
+            else:
+                literals.append(f"Con({head})")
         elif name == "Receive":
             steps = [set() if s is None else {sid(i) for i in s} for s in e["steps"]]
             seq, done = _tla_seq_of_sets(steps), tla_value(bool(e["done"]))
-            if e.get("sync") is None:
+            if dynamic:  # trace_model requires dealt ids; sync and global come with them
+                sync = tla_value([bool(x) for x in e["sync"]])
+                counts = tla_value([[int(x) for x in c] for c in e["global"]])
+                dealt = tla_value(frozenset(sid(i) for i in e["dealt"]))
+                literals.append(f"RcvD({r}, {seq}, {sync}, {counts}, {done}, {dealt})")
+            elif e.get("sync") is None:
                 literals.append(f"Rcv({r}, {seq}, {done})")
             elif e.get("global") is None:
                 sync = tla_value([bool(x) for x in e["sync"]])
@@ -216,6 +254,8 @@ def render_trace_module(cfg: ModelConfig, literals: Sequence[str]) -> tuple[str,
     lines += [f"    {k} <- MC{k}" for k in consts.definitions]
     lines += ["INIT TraceInit", "NEXT TraceNextOrEnd", "INVARIANT"]
     lines += [f"    {i}" for i in SPEC_INVARIANTS]
+    if cfg.protocol.dynamic:
+        lines += [f"    {i}" for i in TRACE_INVARIANTS]
     return tla, "\n".join(lines) + "\n"
 
 
@@ -238,7 +278,8 @@ def check_trace(trace: Any, *, timeout: float | None = 600) -> TraceCheck:
     the epoch is over at the end."""
     try:
         cfg, id_map = trace_model(trace)
-        events, literals = _trace_log(trace, id_map, cfg.protocol.max_steps_per_round)
+        p = cfg.protocol
+        events, literals = _trace_log(trace, id_map, p.max_steps_per_round, p.dynamic)
         tla, cfg_text = render_trace_module(cfg, literals)
     except SpecUnsupported as exc:
         return TraceCheck(False, f"the spec does not model this run: {exc}", [], None)
@@ -268,6 +309,13 @@ def check_trace(trace: Any, *, timeout: float | None = 600) -> TraceCheck:
                 f"event {pc + 1} of {len(events)}, {ev.label} ({where}), is not a step of "
                 "DGAP here: it is not enabled, or its recorded decision differs from the spec's"
             )
+    elif res.result == "invariant" and res.violated in TRACE_INVARIANTS and pc is not None:
+        ev = events[pc]  # checked before the event it names
+        where = "AllGather" if ev.rank is None else f"rank {ev.rank}'s event {ev.index}"
+        check.reason = (
+            f"{res.violated}: event {pc + 1} of {len(events)}, {ev.label} ({where}), "
+            f"{TRACE_INVARIANTS[res.violated]}"
+        )
     elif res.result == "invariant":
         at = f" after event {pc} ({events[pc - 1].label})" if pc else ""
         check.reason = f"invariant {res.violated} is violated{at}"
