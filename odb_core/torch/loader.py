@@ -174,8 +174,8 @@ class ODBDataLoader:
     every G steps, or once the window's global loss tokens reach T), `step_meta`
     (False: yield exactly collate_fn's output, without the `odb_step` key),
     `sharding` ('static' | 'dynamic': the core deals the epoch's indices each round
-    to the ranks holding the least work; join mode, map-style, resumed from the
-    merged state of every rank).
+    to the ranks holding the least work; map-style, join or quota mode (the ledger
+    is dealt first in the next pass), resumed from the merged state of every rank).
     """
 
     _odb_seq = 0  # which loader of this process (set by _announce_failure)
@@ -258,13 +258,11 @@ class ODBDataLoader:
             tokens_per_update=tokens_per_update,
             sharding=sharding,  # type: ignore[arg-type]
         )
-        if self.config.dynamic and (
-            iterable or id_fn is not None or not partition or self.config.mode is not Mode.JOIN
-        ):
+        if self.config.dynamic and (iterable or id_fn is not None or not partition):
             raise ConfigError(
                 "sharding='dynamic' deals dataset indices to ranks each round; it needs a "
-                "map-style dataset whose ids are its indices, partition=True and mode='join' "
-                "(quota mode follows static sharding for now)"
+                "map-style dataset whose ids are its indices and partition=True (got "
+                f"iterable={iterable}, id_fn={id_fn!r}, partition={partition!r})"
             )
         if (
             not iterable
@@ -889,12 +887,16 @@ class ODBDataLoader:
                 "sharding='dynamic' resumes from the merged state of every rank "
                 "(merge_states), whose done ids are the same on every rank"
             )
-        self._plan = tuple(i for i in order if i not in excluded)
+        # Quota mode: the last pass's ledger comes first, dealt (and formed) first.
+        carried = ledger_ids(self._carry)
+        taken = set(carried)
+        fresh = (i for i in order if i not in taken)
+        self._plan = tuple(i for i in (*carried, *fresh) if i not in excluded)
         start, stop = initial_slice(self.rank, len(self._plan), self.world_size, self.config.target)
         shard = list(self._plan[start:stop])
         assert self._index_sampler is not None
         self._index_sampler.indices = shard
-        flat = [*head, *order, -1, *sorted(excluded)]
+        flat = [*head, *order, -1, *sorted(excluded), -1, *carried]
         return shard, zlib.crc32(array.array("q", flat).tobytes())
 
     def _restart_source(self, ids: list[int]) -> Iterator[Any]:

@@ -580,6 +580,14 @@ class EpochPipeline:
         the order the next epoch takes them in."""
         self._raw.clear()
         self._cut.clear()
+        m = self.s.machine
+        if m.config.dynamic:
+            # What the close carries, the ids dealt to this rank and never read, and
+            # on rank 0 the plan ids no rank was dealt (the same on every rank); in
+            # plan order, which the next pass deals them in.
+            pos = {i: k for k, i in enumerate(m.config.plan)}
+            rest = m.unassigned if m.rank == 0 else ()
+            return tuple(sorted([*(s.id for s in carried), *m.queue, *rest], key=pos.__getitem__))
         if self.s.shard is None:
             return tuple(s.id for s in carried)
         done = self._emitted_ids | self.s.excluded
