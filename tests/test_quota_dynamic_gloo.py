@@ -2,7 +2,8 @@
 a merged resume: the first pass closes at the step the global count reaches the
 quota and carries every id it did not emit (the same ledger on both ranks); the
 second pass starts from that ledger, is interrupted, resumed from the merged
-state, and closes exactly too, every id of it emitted once or carried.
+state, and closes exactly too, every id of it emitted once or carried; the
+first pass's traces and the resumed incarnation's pass both checkers.
 In-process variants and the traces: tests/test_quota_dynamic.py."""
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gloo_ranks  # noqa: E402
+from test_tlc import require_tlc  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
+from odb_core.verify.tlc.trace_check import validate_trace_tlc  # noqa: E402
+from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -38,7 +42,7 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return {"input_ids": torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)}
 
 
-def make_loader() -> ODBDataLoader:
+def make_loader(spec: dict[str, Any]) -> ODBDataLoader:
     return ODBDataLoader(
         Text(),
         collate_fn=collate,
@@ -50,6 +54,7 @@ def make_loader() -> ODBDataLoader:
         shuffle=True,
         sharding="dynamic",
         peer_timeout=30,
+        trace_dir=Path(spec["dir"], "traces"),
     )
 
 
@@ -66,7 +71,7 @@ def _pass(loader: ODBDataLoader, epoch: int, stop: int | None = None) -> list[li
 
 
 def run_a(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
-    loader = make_loader()
+    loader = make_loader(spec)
     first = _pass(loader, 0)
     out = {"first": first, "ledger": list(loader.ledger)}
     second = _pass(loader, 1, stop=spec["stop"])
@@ -76,7 +81,7 @@ def run_a(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_b(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     states = [json.loads(p.read_text()) for p in sorted(Path(spec["dir"]).glob("state*.json"))]
-    loader = make_loader()
+    loader = make_loader(spec)
     loader.load_state_dict(states)
     rows = []
     for _ in loader:
@@ -107,12 +112,46 @@ def check_pass(per_rank: list[list[list[Any]]], ledgers: list[list[int]]) -> lis
     return ledgers[0]
 
 
-def test_quota_passes_and_a_merged_resume_on_two_gloo_ranks(tmp_path: Path) -> None:
-    spec = {"dir": str(tmp_path), "stop": 2}
-    a = _ok(gloo_ranks.launch(f"{__name__}:run_a", 2, spec, tmp_path / "a"))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any], list[Any]]:
+    """Phase a (2 gloo ranks: the first pass, then 2 steps of the second, states
+    saved) and phase b (2 gloo ranks resume the merged state and finish)."""
+    tmp = tmp_path_factory.mktemp("quota_dynamic")
+    spec = {"dir": str(tmp), "stop": 2}
+    a = _ok(gloo_ranks.launch(f"{__name__}:run_a", 2, spec, tmp / "a"))
+    b = _ok(gloo_ranks.launch(f"{__name__}:run_b", 2, spec, tmp / "b"))
+    return tmp, a, b
+
+
+def test_quota_passes_and_a_merged_resume_on_two_gloo_ranks(
+    runs: tuple[Path, list[Any], list[Any]],
+) -> None:
+    _, a, b = runs
     ledger = check_pass([r["first"] for r in a], [r["ledger"] for r in a])
     assert all(r["carried_in"] == ledger for r in a)
-    b = _ok(gloo_ranks.launch(f"{__name__}:run_b", 2, spec, tmp_path / "b"))
     assert all(r["rest"][0][0] == 2 for r in b), "the resume starts at the saved step"
     second = [r["second"] + rest["rest"] for r, rest in zip(a, b, strict=True)]
     check_pass(second, [r["ledger"] for r in b])
+
+
+def traces(tmp: Path) -> dict[str, ProtocolTrace]:
+    """The first pass's traces and the resumed incarnation's of the second."""
+    out = {}
+    for run in ("epoch0-step0", "epoch1-step2"):
+        out[run] = ProtocolTrace.merge(sorted(tmp.glob(f"traces/trace-{run}-rank*.json")))
+        assert len(out[run].ranks) == 2
+    return out
+
+
+def test_the_runs_traces_pass_the_python_replay(runs: tuple[Path, list[Any], list[Any]]) -> None:
+    for run, trace in traces(runs[0]).items():
+        report = validate_trace(trace)
+        assert report.ok, f"{run}: {report.reason}"
+
+
+@pytest.mark.tlc
+def test_the_runs_traces_pass_tlc(runs: tuple[Path, list[Any], list[Any]]) -> None:
+    require_tlc()
+    for run, trace in traces(runs[0]).items():
+        report = validate_trace_tlc(trace)
+        assert report.ok, f"{run}: {report.reason}"
