@@ -102,9 +102,9 @@ class RankTrace:
     `plan`: the ids this rank must see this epoch (its shard, resume exclusions
     removed), or None when the driver does not know it (a stream, or dynamic
     sharding: the epoch's plan is the protocol's `plan`, dealt as the run goes):
-    every planned id must be observed, except those a quota close carries unread. `scales`: the
-    loss scale of each step the training loop received, in step order, or None
-    when the driver does not record them.
+    every planned id must be observed, except those a quota close carries
+    unread. `scales`: the loss scale of each step the training loop received, in
+    step order, or None when the driver does not record them.
     A 4-field sample (no loss_tokens: every text token counts) and a Receive
     without `sync` or `global` (not checked) are accepted."""
 
@@ -154,7 +154,7 @@ class TracingRankMachine(RankMachine):
         return c
 
     def all_gather(self, contributions: Sequence[Contribution]) -> RoundResult:
-        unread = set(self.queue)
+        unread = set(self.queue) if self.config.dynamic else set()
         result = super().all_gather(contributions)
         event: dict[str, Any] = {
             "action": "Receive",
