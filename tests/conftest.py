@@ -29,6 +29,7 @@ PROCS = frozenset(
         "test_model_bench",
         "test_progress_lr",
         "test_progress_lr_accelerate",
+        "test_quota_dynamic_gloo",
         "test_resume_tamper",
         "test_sft_gradients",
         "test_torch_cli",
