@@ -32,7 +32,7 @@ from odb_core import ODBDataLoader  # noqa: E402
 from odb_core.batch import Batch  # noqa: E402
 from odb_core.config import ProtocolConfig  # noqa: E402
 from odb_core.cost import Budget, PaddedTokens  # noqa: E402
-from odb_core.errors import ConfigError, ResumeStateError  # noqa: E402
+from odb_core.errors import ConfigError, ODBError, ResumeStateError  # noqa: E402
 from odb_core.protocol import RankAction, RankMachine, StepInfo  # noqa: E402
 from odb_core.sample import Sample  # noqa: E402
 from odb_core.torch import pipeline  # noqa: E402
@@ -266,6 +266,8 @@ def test_lookahead_passes_on_the_sources_error_and_closes_a_blocked_reader() -> 
     while not endless.ready():
         time.sleep(0.01)
     assert not _wait_dead(endless)
+    with pytest.raises(ODBError, match="closed mid-epoch"):  # never taken for the end
+        next(endless)
 
 
 def math_inf(x: float) -> bool:

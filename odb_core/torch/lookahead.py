@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from odb_core.errors import ODBError
 from odb_core.torch.source import Record
 from odb_core.torch.wire import Packed, unpack
 
@@ -90,9 +91,15 @@ class LookAhead(Iterator[list[Record]]):
     # ---- protocol thread ----------------------------------------------------
 
     def __next__(self) -> list[Record]:
-        if self._ended:
-            raise StopIteration
-        item = self._queue.get()
+        while True:
+            if self._ended:
+                raise StopIteration
+            try:
+                item = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self._stop.is_set():  # closed: the reader puts nothing more
+                    raise ODBError("the loader's source was closed mid-epoch") from None
         if item is _END:
             self._ended = True
             raise StopIteration
@@ -120,14 +127,17 @@ class LookAhead(Iterator[list[Record]]):
         """Stop the reader (after the chunk it is waiting for) and drop what it holds;
         with `timeout`, wait that long for it to end."""
         self._stop.set()
-        self._ended = True
+        self._drain()
+        if timeout is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            self._drain()  # what a put under way left
+
+    def _drain(self) -> None:
         while True:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
-                break
-        if timeout is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+                return
 
     @property
     def alive(self) -> bool:
