@@ -25,11 +25,6 @@ class FormerKind(enum.Enum):
     """The ODB paper's policy: longest first, cut when the next sample would overflow."""
     BEST_FIT_DECREASING = "bfd"
     """Longest first, each sample into the fullest open batch it still fits."""
-    SORTED_PARTITION = "partition"
-    """Longest first, cut into the fewest batches (as many as the greedy's) of the
-    least total cost (a DP over the sorted window; under the padded cost, the least
-    padding). Not modelled by spec/DGAP.tla (whose former is the greedy): the
-    Python model checks it against the contract."""
 
 
 class FormResult(NamedTuple):
@@ -127,80 +122,6 @@ def best_fit_decreasing(
     return FormResult([_seal(b, budget, model) for b in bins], leftovers)
 
 
-def sorted_partition(
-    window: Sequence[Sample], budget: Budget, model: CostModel, flush: bool
-) -> FormResult:
-    """Longest first, cut into contiguous runs: among the cuts into the fewest
-    batches (the greedy's count: the greedy cut is optimal in count for a sorted
-    window), the one of least total cost, `sum cost(batch)`; under the padded cost
-    that is `sum n_i * max_i`, the least padding. A DP over the sorted window
-    (best[i] = the lexicographic least (batches, cost) of the suffix from i).
-
-    Without `flush`, the last run (the shortest samples) goes back as leftovers,
-    unless it is the only batch, as in `sort_window_greedy`.
-    """
-    order = _longest_first(window)
-    n = len(order)
-    if n == 0:
-        return FormResult([], [])
-    lens = [s.tokens + s.visual_tokens for s in order]
-    # Prefix sums of the BatchStats fields, so a run's stats are O(1).
-    p_len, p_sq, p_text, p_vis, p_pat = [0], [0], [0], [0], [0]
-    for s, length in zip(order, lens, strict=True):
-        p_len.append(p_len[-1] + length)
-        p_sq.append(p_sq[-1] + length * length)
-        p_text.append(p_text[-1] + s.tokens)
-        p_vis.append(p_vis[-1] + s.visual_tokens)
-        p_pat.append(p_pat[-1] + s.patches)
-
-    def stats(i: int, j: int) -> BatchStats:  # the run order[i:j], longest first
-        return BatchStats(
-            j - i,
-            lens[i],
-            p_len[j] - p_len[i],
-            p_sq[j] - p_sq[i],
-            p_text[j] - p_text[i],
-            p_vis[j] - p_vis[i],
-            p_pat[j] - p_pat[i],
-        )
-
-    cost = model.cost
-    # reach[i]: the longest feasible run from i ends before reach[i] (a lone sample
-    # always forms a run: oversize, marked so). Runs only grow costlier as they grow.
-    reach = [0] * n
-    j = 1
-    for i in range(n):
-        j = max(j, i + 1)
-        while j < n and budget.fits(stats(i, j + 1), model):
-            j += 1
-        reach[i] = j
-    count = [0] * (n + 1)
-    total = [0.0] * (n + 1)
-    cut = [n] * n
-    for i in range(n - 1, -1, -1):
-        # count[] does not increase with the start, so the fewest batches end at
-        # reach[i]; scan back only while the count stays the fewest.
-        hi = reach[i]
-        best_c = count[hi] + 1
-        best_t, best_j = cost(stats(i, hi)) + total[hi], hi
-        k = hi - 1
-        while k > i and count[k] + 1 == best_c:
-            t = cost(stats(i, k)) + total[k]
-            if t < best_t:
-                best_t, best_j = t, k
-            k -= 1
-        count[i], total[i], cut[i] = best_c, best_t, best_j
-    batches: list[Batch] = []
-    i = 0
-    while i < n:
-        batches.append(_seal(order[i : cut[i]], budget, model))
-        i = cut[i]
-    if flush or len(batches) == 1:
-        return FormResult(batches, [])
-    last = batches.pop()
-    return FormResult(batches, list(last.samples))
-
-
 Former = Callable[[Sequence[Sample], Budget, CostModel, bool], FormResult]
 
 
@@ -266,5 +187,4 @@ def carried_first(
 FORMERS: dict[FormerKind, Former] = {
     FormerKind.SORT_WINDOW_GREEDY: sort_window_greedy,
     FormerKind.BEST_FIT_DECREASING: best_fit_decreasing,
-    FormerKind.SORTED_PARTITION: sorted_partition,
 }
