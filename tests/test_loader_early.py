@@ -209,20 +209,27 @@ class _Look:
 
 
 @pytest.mark.parametrize(
-    ("ready", "pending", "missing", "per_sample", "wait", "early"),
+    ("ready", "pending", "missing", "per_sample", "wait", "queued", "early"),
     [
-        (False, 0, 10, 0.1, 0.25, True),  # 1 s to fill > 0.25 s
-        (False, 0, 2, 0.1, 0.25, False),  # 0.2 s: wait for them
-        (True, 0, 10, 0.1, 0.25, False),  # the next sample is there
-        (False, 3, 10, 0.1, 0.25, False),  # records already fetched
-        (False, 0, 0, 0.1, 0.0, False),  # nothing left to wait for
+        (False, 0, 10, 0.1, 0.25, 0, True),  # 1 s to fill > 0.25 s, the loop starves
+        (False, 0, 10, 0.1, 0.25, 1, False),  # the loop still has a step to train on
+        (False, 0, 2, 0.1, 0.25, 0, False),  # 0.2 s: wait for them
+        (True, 0, 10, 0.1, 0.25, 0, False),  # the next sample is there
+        (False, 3, 10, 0.1, 0.25, 0, False),  # records already fetched
+        (False, 0, 0, 0.1, 0.0, 0, False),  # nothing left to wait for
     ],
 )
 def test_the_observation_behind_an_early_form(
-    ready: bool, pending: int, missing: int, per_sample: float, wait: float, early: bool
+    ready: bool,
+    pending: int,
+    missing: int,
+    per_sample: float,
+    wait: float,
+    queued: int,
+    early: bool,
 ) -> None:
     look: Any = _Look(ready, per_sample)
-    assert early_form_decision(look, pending, missing, wait) is early
+    assert early_form_decision(look, pending, missing, wait, queued) is early
 
 
 def test_lookahead_reads_ahead_measures_and_says_when_a_chunk_is_there() -> None:

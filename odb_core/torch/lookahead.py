@@ -144,10 +144,16 @@ class LookAhead(Iterator[list[Record]]):
         return self._thread.is_alive()
 
 
-def early_form_decision(look: LookAhead, pending: int, missing: int, wait_s: float) -> bool:
-    """The observation the torch driver gives the core's FORM_EARLY: the next sample is
-    not there (`pending` records already fetched and none queued) and the `missing`
-    samples of the window would take longer than `wait_s` seconds to arrive."""
-    if pending or look.ready():
+def early_form_decision(
+    look: LookAhead, pending: int, missing: int, wait_s: float, queued: int = 0
+) -> bool:
+    """The observation the torch driver gives the core's FORM_EARLY: the training loop
+    has no step waiting for it (`queued`: steps handed over and not yet taken), the
+    next sample is not there (`pending` records already fetched and none queued) and
+    the `missing` samples of the window would take longer than `wait_s` seconds to
+    arrive. (The protocol thread outruns the workers whenever it is not gated, so
+    "the next sample is not there" alone holds nearly always while it fills; an
+    early form pays padding, worth it only when the loop would otherwise wait.)"""
+    if queued or pending or look.ready():
         return False
     return look.wait_s(missing) > wait_s

@@ -38,12 +38,12 @@ end), so a `state_dict()` taken after the last batch already holds them.
 Early forms (opt-in, `early_form=`). The source is then read on its own thread
 (`lookahead.LookAhead`), so the loop can see without blocking whether the next
 sample is there. While filling, whenever the core enables FORM_EARLY (the window
-holds at least `early_form` samples, nothing is ready), the loop takes it if no
-sample is waiting and the rest of the window, at the measured arrival rate, would
-take longer than `early_form_wait` seconds; otherwise it waits for the sample as
-usual. Which batches form early then depends on when samples arrive: every
-guarantee holds (exactly once, aligned steps, budgets), batch composition is not
-reproducible run to run.
+holds at least `early_form` samples, nothing is ready), the loop takes it if the
+training loop has no step queued, no sample is waiting and the rest of the window,
+at the measured arrival rate, would take longer than `early_form_wait` seconds;
+otherwise it waits for the sample as usual. Which batches form early then depends
+on when samples arrive: every guarantee holds (exactly once, aligned steps,
+budgets), batch composition is not reproducible run to run.
 
 Ids across ranks. At the close, before that ledger exchange, every rank (join or
 quota) all-gathers the ids it held this epoch, emitted, skipped as done before a
@@ -518,16 +518,18 @@ class EpochPipeline:
         )
 
     def _early(self) -> bool:
-        """The observation behind FORM_EARLY (asked only when the core enables it):
-        no sample is waiting and the rest of the window would take longer than
-        `early_form_wait` seconds at the measured arrival rate."""
+        """The observation behind FORM_EARLY (asked only when the core enables it): the
+        training loop has no step queued, no sample is waiting, and the rest of the
+        window would take longer than `early_form_wait` seconds at the measured
+        arrival rate."""
         look, m, wait = self._look, self.s.machine, self.s.early_form_wait
         if look is None or wait is None:
             return False
         missing = m.config.buffer_size - len(m.buffer)
         if self.s.shard is not None:
             missing = min(missing, len(self.s.shard) - self._delivered)
-        return early_form_decision(look, len(self._pending), missing, wait)
+        queued = self._queue.qsize()
+        return early_form_decision(look, len(self._pending), missing, wait, queued)
 
     def _pull(self) -> Sample | None:
         while True:
