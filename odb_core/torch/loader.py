@@ -177,10 +177,11 @@ class ODBDataLoader:
     `sharding` ('static' | 'dynamic': the core deals the epoch's indices each round
     to the ranks holding the least work; join mode, map-style, resumed from the
     merged state of every rank), `early_form` / `early_form_wait` (opt-in, join mode
-    and static sharding: a rank whose next sample is not there yet, and whose
-    window would take more than `early_form_wait` seconds (default 0.25) to fill at
-    the measured arrival rate, forms its partial window of at least `early_form`
-    samples and emits its fullest batch; the source is then read on a thread,
+    and static sharding: a rank whose training loop has no step waiting, whose next
+    sample is not there yet, and whose window would take more than
+    `early_form_wait` seconds (default 0.25) to fill at the measured arrival rate,
+    forms its partial window of at least `early_form` samples and emits its
+    fullest batch; the source is then read on a thread,
     your dataset on it when num_workers=0. Batch composition then depends on
     when samples arrive: every sample is still emitted exactly once and every rank
     runs the same steps, but a run is not reproducible batch for batch, so it
