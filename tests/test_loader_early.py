@@ -396,3 +396,36 @@ def _local() -> Any:
     from odb_core.torch.transport import LocalTransport
 
     return LocalTransport()
+
+
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (Lengths(self.n)[i] for i in range(self.n))
+
+
+@pytest.mark.usefixtures("force_early")
+def test_forced_early_forms_over_an_iterable_dataset_keep_exactly_once(tmp_path: Path) -> None:
+    def build(transport: Any) -> ODBDataLoader:
+        return RankLoader(
+            transport,
+            Stream(N),
+            token_budget=48,
+            cost_model="padded",
+            buffer_size=12,
+            max_steps_per_round=2,
+            early_form=3,
+            collate_fn=ids_of,
+            step_meta=False,
+            trace_dir=tmp_path,
+        )
+
+    ranks = on_ranks(2, build, to_the_end)
+    a, b = (r.infos for r in ranks)
+    assert len(a) == len(b)
+    assert_exactly_once(emitted(a) + emitted(b), N)
+    trace = ProtocolTrace.merge(sorted(tmp_path.glob("trace-*.json")))
+    assert all(c > 0 for c in form_early_count(trace))
+    assert validate_trace(trace).ok
