@@ -60,8 +60,8 @@ class RankAction(str, enum.Enum):
     FORM = "Form"
     FORM_EARLY = "FormEarly"
     """Optional (`ProtocolConfig.early_form`): the driver takes it instead of
-    OBSERVE when the next sample is not there yet. Not in spec/DGAP.tla yet; the
-    Python model (`odb_core.verify.model`) explores it."""
+    OBSERVE when the next sample is not there yet (`RankMachine.fill(pull,
+    early)`). spec/DGAP.tla's `FormEarly`, behind its constant `EarlyForm`."""
     CONTRIBUTE = "Contribute"
 
 
@@ -510,15 +510,26 @@ class RankMachine:
 
     # ---- conveniences for drivers ---------------------------------------
 
-    def fill(self, pull: Callable[[], Sample | None]) -> Contribution:
+    def fill(
+        self,
+        pull: Callable[[], Sample | None],
+        early: Callable[[], bool] | None = None,
+    ) -> Contribution:
         """Run local actions, pulling samples with `pull` (None = source dry),
-        until the rank contributes. Adapters and the simulator use this."""
+        until the rank contributes. Adapters and the simulator use this.
+
+        `early`: the driver's observation, asked only when FORM_EARLY is enabled
+        (`ProtocolConfig.early_form`): True when the next sample is not there yet
+        and waiting for the rest of the window is not worth it; the rank then
+        forms early instead of pulling."""
         while True:
             enabled = self.enabled()
             if RankAction.CONTRIBUTE in enabled:
                 return self.contribute()
             if RankAction.FORM in enabled:
                 self.form()
+            elif early is not None and RankAction.FORM_EARLY in enabled and early():
+                self.form_early()
             elif RankAction.OBSERVE in enabled:
                 s = pull()
                 if s is None:

@@ -319,6 +319,8 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     }
     if params["buffer_size"]:
         odb_kw["buffer_size"] = params["buffer_size"]
+    if params.get("former"):
+        odb_kw["former"] = params["former"]
     profile = sample_profile(ds) if any(s in RECIPES for s in strategies) else None
 
     def odb_loader(name: str, data_seed: int) -> Any:

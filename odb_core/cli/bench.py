@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from odb_core.cli.options import positive_int
+from odb_core.formers import FormerKind
 
 BATCH = 8
 
@@ -105,6 +106,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--buffer-size", type=positive_int, default=None, help="odb-core window (default: its own)"
     )
     m.add_argument(
+        "--former",
+        choices=[k.value for k in FormerKind],
+        default=None,
+        help="odb-core's batch former (default: its own, greedy)",
+    )
+    m.add_argument(
         "--strategies",
         default=None,
         help="comma-separated subset to run (default: standard, grouped, gmt, odb-padded, "
@@ -161,6 +168,7 @@ def run_model(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "oversize": args.oversize,
         "buffer_size": args.buffer_size,
+        "former": args.former,
         "strategies": requested,
         "requested": requested,
         "timeout": args.timeout or 3600,

@@ -78,6 +78,7 @@ from odb_core.resume import (
 )
 from odb_core.schedule import SampleProfile
 from odb_core.torch.length import EpochLength, shard_sizes
+from odb_core.torch.lookahead import LookAhead
 from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, TruncateFn, measure
 from odb_core.torch.meta import scaled_loss
 from odb_core.torch.options import LoaderOptions
@@ -175,7 +176,17 @@ class ODBDataLoader:
     (False: yield exactly collate_fn's output, without the `odb_step` key),
     `sharding` ('static' | 'dynamic': the core deals the epoch's indices each round
     to the ranks holding the least work; map-style, join or quota mode (the ledger
-    is dealt first in the next pass), resumed from the merged state of every rank).
+    is dealt first in the next pass), resumed from the merged state of every rank),
+    `early_form` / `early_form_wait` (opt-in, join mode
+    and static sharding: a rank whose training loop has no step waiting, whose next
+    sample is not there yet, and whose window would take more than
+    `early_form_wait` seconds (default 0.25) to fill at the measured arrival rate,
+    forms its partial window of at least `early_form` samples and emits its
+    fullest batch; the source is then read on a thread,
+    your dataset on it when num_workers=0. Batch composition then depends on
+    when samples arrive: every sample is still emitted exactly once and every rank
+    runs the same steps, but a run is not reproducible batch for batch, so it
+    excludes deterministic=True).
     """
 
     _odb_seq = 0  # which loader of this process (set by _announce_failure)
@@ -199,6 +210,8 @@ class ODBDataLoader:
         oversize: OversizePolicy | str = OversizePolicy.ERROR,
         max_samples: int | None = None,
         max_patches: int | None = None,
+        early_form: int | None = None,
+        early_form_wait: float = 0.25,
         loss_normalization: LossNormalization | str = LossNormalization.TOKENS,
         deterministic: bool = False,
         shuffle: bool = False,
@@ -257,6 +270,7 @@ class ODBDataLoader:
             grad_accum_steps=grad_accum_steps,
             tokens_per_update=tokens_per_update,
             sharding=sharding,  # type: ignore[arg-type]
+            early_form=early_form,
         )
         if self.config.dynamic and (iterable or id_fn is not None or not partition):
             raise ConfigError(
@@ -292,6 +306,7 @@ class ODBDataLoader:
         self.num_workers = num_workers
         self.prefetch_thread = bool(prefetch_thread)
         self.persistent_workers = persistent_workers
+        self.early_form_wait = float(early_form_wait)
         self._iterable = iterable
         self._pin = self._make_pin(pin_memory, pin_memory_device)
         self._index_sampler: IndexChunks | None = None
@@ -423,7 +438,7 @@ class ODBDataLoader:
             setup = EpochSetup(
                 machine=machine_cls(self.rank, config),
                 transport=self.transport,
-                source=iter(self._inner),
+                source=self._source_iterator(config),
                 tag=(self._digest, order_digest, self._iteration),
                 excluded=excluded,
                 step_offset=step0,
@@ -441,6 +456,7 @@ class ODBDataLoader:
                 skip_before=skip_before,
                 replay_ids=replay_ids,
                 restart=self._restart_source if config.dynamic else None,
+                early_form_wait=self.early_form_wait if config.early_form else None,
             )
             self._workers_started = self.num_workers > 0
             self._pipeline = EpochPipeline(setup, threaded=self.prefetch_thread)
@@ -898,6 +914,12 @@ class ODBDataLoader:
         self._index_sampler.indices = shard
         flat = [*head, *order, -1, *sorted(excluded), -1, *carried]
         return shard, zlib.crc32(array.array("q", flat).tobytes())
+
+    def _source_iterator(self, config: ProtocolConfig) -> Iterator[Any]:
+        """The inner loader's iterator; with early forms, read ahead on its own thread
+        (torch/lookahead.py) so the protocol loop can see whether a sample is there."""
+        inner = iter(self._inner)
+        return inner if config.early_form is None else LookAhead(inner)
 
     def _restart_source(self, ids: list[int]) -> Iterator[Any]:
         """Dynamic sharding: point the inner loader at ids the core newly dealt."""

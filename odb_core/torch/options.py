@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler, IterableDataset, Sampler
 
-from odb_core.config import LossNormalization, Mode, OversizePolicy, Sharding
+from odb_core.config import LossNormalization, Mode, OversizePolicy, Sharding, default_buffer_size
 from odb_core.cost import CostKind, CostModel
 from odb_core.errors import ConfigError
 from odb_core.formers import FormerKind
@@ -37,6 +37,10 @@ __all__ = [
     "OutputOptions",
     "WorkerOptions",
 ]
+
+
+def _value(x: Any) -> Any:
+    return getattr(x, "value", x)
 
 
 def _count(name: str, value: Any, least: int = 0) -> None:
@@ -56,7 +60,16 @@ class BatchOptions:
     oversize: OversizePolicy | str = OversizePolicy.ERROR
     max_samples: int | None = None
     max_patches: int | None = None
+    early_form: int | None = None
+    early_form_wait: float = 0.25
     # The rest are checked by ProtocolConfig, which the loader builds from them.
+
+    def __post_init__(self) -> None:
+        if self.early_form is not None:
+            _count("early_form", self.early_form, least=1)
+        w = self.early_form_wait
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise ConfigError(f"early_form_wait={w!r} must be a finite number of seconds >= 0")
 
 
 @dataclass(frozen=True)
@@ -201,7 +214,45 @@ class LoaderOptions:
         unknown = set(options) - {f.name for g in _GROUPS.values() for f in fields(g)}
         if unknown:
             raise ConfigError(f"unknown ODBDataLoader option(s) {sorted(unknown)}")
-        return cls(peer_timeout=peer_timeout, **groups)
+        out = cls(peer_timeout=peer_timeout, **groups)
+        out._check_early_form()
+        return out
+
+    def _check_early_form(self) -> None:
+        """Early forms (issue 24): join mode, static sharding, a partial window, a
+        protocol thread that may read the source ahead, and no promise of
+        determinism (which batches form early depends on when samples arrive)."""
+        k0 = self.batch.early_form
+        if k0 is None:
+            return
+        e = self.epoch
+        if e.quota_mode or _value(e.sharding) == Sharding.DYNAMIC.value:
+            raise ConfigError(
+                f"early_form={k0!r} needs mode='join' and sharding='static' (got "
+                f"mode={_value(e.mode)!r}, sharding={_value(e.sharding)!r})"
+            )
+        if e.deterministic:
+            raise ConfigError(
+                f"early_form={k0!r} makes batch composition depend on when samples arrive, "
+                "so it cannot be combined with deterministic=True (whose exact resume replays "
+                "the same batches); drop one of them"
+            )
+        if not self.workers.prefetch_thread:
+            raise ConfigError(
+                f"early_form={k0!r} reads the source ahead on a thread to see whether the next "
+                "sample is there; prefetch_thread=False runs everything in the iterating "
+                "thread: drop one of them"
+            )
+        b = self.batch
+        k: object = b.buffer_size
+        model = b.cost_model
+        if k is None and (isinstance(model, (str, CostKind)) or hasattr(model, "name")):
+            k = default_buffer_size(model)
+        if isinstance(k, int) and not isinstance(k, bool) and k0 >= k:
+            raise ConfigError(
+                f"early_form={k0!r} must be below buffer_size={k!r}: an early form is of a "
+                "partial window"
+            )
 
     def check_dataset(self, dataset: Any) -> bool:
         """The checks that need the dataset; True when it is an IterableDataset."""

@@ -35,6 +35,16 @@ is all-gathered in one extra collective, right after that round's all-gather on
 every rank, and the per-rank ledgers ride on the epoch's last step (and its
 end), so a `state_dict()` taken after the last batch already holds them.
 
+Early forms (opt-in, `early_form=`). The source is then read on its own thread
+(`lookahead.LookAhead`), so the loop can see without blocking whether the next
+sample is there. While filling, whenever the core enables FORM_EARLY (the window
+holds at least `early_form` samples, nothing is ready), the loop takes it if the
+training loop has no step queued, no sample is waiting and the rest of the window,
+at the measured arrival rate, would take longer than `early_form_wait` seconds;
+otherwise it waits for the sample as usual. Which batches form early then depends
+on when samples arrive: every guarantee holds (exactly once, aligned steps,
+budgets), batch composition is not reproducible run to run.
+
 Ids across ranks. At the close, before that ledger exchange, every rank (join or
 quota) all-gathers the ids it held this epoch, emitted, skipped as done before a
 resume, and its ledger, and raises DuplicateIdError alike if one is on two ranks
@@ -65,6 +75,7 @@ from odb_core.protocol import (
     _truncated_tokens,
 )
 from odb_core.sample import Sample
+from odb_core.torch.lookahead import LookAhead, early_form_decision
 from odb_core.torch.measure import CostFn, LossTokens, TruncateFn, default_truncate, measure
 from odb_core.torch.meta import StepMeta, attach_context, with_meta
 from odb_core.torch.source import LoadFailure, Record, SampleLoadError
@@ -138,6 +149,9 @@ class EpochSetup:
     replay_ids: frozenset[int] = frozenset()
     # Dynamic sharding: a fresh source over the ids the core has newly dealt this rank.
     restart: Callable[[list[int]], Iterator[list[Record] | Packed]] | None = None
+    # Early forms: the seconds the rest of the window may take before the rank forms
+    # early (the source is then a LookAhead); None: off.
+    early_form_wait: float | None = None
 
 
 class PadTemplate:
@@ -188,6 +202,8 @@ class EpochPipeline:
         self._finished = False
         self._peer_failure: _Failure | None = None
         self._reported = False
+        self._delivered = 0  # records taken from the source (for the early-form estimate)
+        self._look = setup.source if isinstance(setup.source, LookAhead) else None
         self._gen = self._rounds()
         self._thread = threading.Thread(target=self._run, name="odb-protocol", daemon=True)
 
@@ -238,7 +254,8 @@ class EpochPipeline:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        look = self._look
+        return self._thread.is_alive() or (look is not None and look.alive)
 
     def _wait_item(self) -> Emitted | _Failure | _End:
         t = self.s.transport
@@ -297,6 +314,10 @@ class EpochPipeline:
         if self._threaded:
             if self._thread.is_alive() and self._thread is not threading.current_thread():
                 self._thread.join(timeout)
+            if self._look is not None:
+                # Its reader must not be inside the inner iterator when the next epoch
+                # resets it (persistent workers reuse one iterator).
+                self._look.close(timeout)
             return
         if not self._finished:
             try:
@@ -344,6 +365,8 @@ class EpochPipeline:
         # background thread, so that the error does not wait for the workers.
         holder = [self.s.source]
         self.s.source = iter(())
+        if self._look is not None:
+            self._look.close()  # its reader drops the inner iterator as it ends
         if isinstance(final, _Failure):
             threading.Thread(target=holder.clear, name="odb-release-workers", daemon=True).start()
         else:
@@ -374,10 +397,11 @@ class EpochPipeline:
         dynamic = m.config.dynamic
         windows = WindowBuffer(m.config)
         deferred: list[Emitted] = []
+        early = self._early if self._look is not None and m.config.early_form else None
         r = 0
         try:
             while self._gate(r):
-                c = m.fill(self._pull)
+                c = m.fill(self._pull, early)
                 gathering = self._in_flight = t.start(
                     (*self.s.tag, r), c.to_vector(steps_per_round, dynamic)
                 )
@@ -493,6 +517,20 @@ class EpochPipeline:
             stall_s=sum(b - a for a, b in stalls),
         )
 
+    def _early(self) -> bool:
+        """The observation behind FORM_EARLY (asked only when the core enables it): the
+        training loop has no step queued, no sample is waiting, and the rest of the
+        window would take longer than `early_form_wait` seconds at the measured
+        arrival rate."""
+        look, m, wait = self._look, self.s.machine, self.s.early_form_wait
+        if look is None or wait is None:
+            return False
+        missing = m.config.buffer_size - len(m.buffer)
+        if self.s.shard is not None:
+            missing = min(missing, len(self.s.shard) - self._delivered)
+        queued = self._queue.qsize()
+        return early_form_decision(look, len(self._pending), missing, wait, queued)
+
     def _pull(self) -> Sample | None:
         while True:
             if not self._pending:
@@ -507,6 +545,7 @@ class EpochPipeline:
                 self._pending.extend(unpack(chunk) if isinstance(chunk, Packed) else chunk)
                 continue
             rec = self._pending.popleft()
+            self._delivered += 1
             if isinstance(rec, LoadFailure):
                 raise SampleLoadError(rec)
             sid, raw = rec
