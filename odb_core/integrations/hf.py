@@ -48,11 +48,11 @@ from transformers.trainer_utils import (
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
 from odb_core.integrations import versions
-from odb_core.integrations.hf_lr import ClampedLR, progress_schedule
+from odb_core.integrations.hf_lr import ClampedLR, progress_lr
 from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.schedule import TokenScaling
-from odb_core.torch import ODBDataLoader, ProgressLR
+from odb_core.torch import ODBDataLoader
 from odb_core.torch.adapter_options import check_dataset, check_options, trainer_windows
 from odb_core.torch.checkpoint import (
     STATES_FILE,
@@ -436,42 +436,23 @@ class ODBHFTrainer(Trainer):
         """`lr_scheduler_type` on the run's exact progress (`ProgressLR`) when the run is
         a number of epochs and the type has a progress form (hf_lr.py); otherwise the
         Trainer's schedule, sized to the estimated optimizer steps and clamped."""
-        if self.lr_scheduler is None and self._odb_target_epochs is not None:
-            args = self.args
-            schedule = progress_schedule(
-                args.lr_scheduler_type,
-                warmup_steps=args.warmup_steps,
-                scheduler_kwargs=args.lr_scheduler_kwargs,
-                learning_rate=args.learning_rate,
+        epochs = self._odb_target_epochs
+        if self.lr_scheduler is None and epochs is not None:
+            self.lr_scheduler = progress_lr(
+                self.args,
+                optimizer or self.optimizer,
+                self,
+                epochs=epochs,
                 planned_updates=max(1, self._odb_planned_updates or num_training_steps),
+                tokens=self.odb_args.lr_tokens,
             )
-            if schedule is not None:
-                self.lr_scheduler = ProgressLR(  # type: ignore[assignment]
-                    cast(torch.optim.Optimizer, optimizer or self.optimizer),
-                    self,
-                    epochs=self._odb_target_epochs,
-                    shape=schedule.shape,
-                    warmup=schedule.warmup,
-                    final=schedule.final,
-                    tokens=self.odb_args.lr_tokens,
-                )
+            if self.lr_scheduler is not None:
                 return self.lr_scheduler
-            if self.odb_args.lr_tokens is not None:
-                raise ConfigError(
-                    f"odb lr_tokens needs a progress-driven schedule; lr_scheduler_type="
-                    f"{args.lr_scheduler_type!r} with lr_scheduler_kwargs="
-                    f"{args.lr_scheduler_kwargs!r} has none (use linear, cosine, constant, "
-                    "constant_with_warmup or cosine_with_min_lr)"
-                )
         created = self.lr_scheduler is None
         steps = self._odb_schedule_steps or num_training_steps
         scheduler = super().create_scheduler(steps, optimizer)
-        if (
-            created
-            and hasattr(scheduler, "last_epoch")
-            and not isinstance(scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, ClampedLR))
-        ):
-            self.lr_scheduler = cast(Any, ClampedLR(scheduler, steps))
+        if created:
+            self.lr_scheduler = ClampedLR.around(scheduler, steps)
         return self.lr_scheduler
 
     # ---- one window at a time ------------------------------------------------------------
