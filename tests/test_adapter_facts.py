@@ -121,3 +121,43 @@ def test_version_gate_raises_on_a_missing_member_and_warns_outside_the_range() -
     with pytest.raises(ConfigError, match=r"Strategy\.handles_gradient_accumulation"):
         versions.gate("lightning", "2.6.0", {"Strategy": object}, warned)
     assert set(versions.GATES) == set(versions.PRIVATE_MEMBERS)
+
+
+# ---- one optimizer window at a time ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("windows", [{"grad_accum_steps": 3}, {"tokens_per_update": 40}])
+def test_next_window_is_the_batches_up_to_the_closing_step(windows: dict[str, int]) -> None:
+    torch = pytest.importorskip("torch")
+    from odb_core import ODBDataLoader
+    from odb_core.errors import ODBError
+    from odb_core.torch.windows import next_window
+
+    class Rows(torch.utils.data.Dataset):  # type: ignore[misc]
+        def __len__(self) -> int:
+            return 40
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"input_ids": torch.arange(2 + (i * 7919) % 23)}
+
+    def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"n": torch.tensor(len(samples))}
+
+    dl = ODBDataLoader(Rows(), token_budget=48, buffer_size=8, collate_fn=collate, **windows)
+    it = iter(dl)
+    sizes, steps = [], []
+    while True:
+        window, infos = next_window(it, dl)
+        if not window:
+            break
+        assert all(i is not None for i in infos) and infos[-1].sync_gradients  # type: ignore[union-attr]
+        assert not any(i.sync_gradients for i in infos[:-1])  # type: ignore[union-attr]
+        sizes.append(len(window))
+        steps += [i.step for i in infos]  # type: ignore[union-attr]
+    assert steps == list(range(len(steps))) and dl.epoch_closed
+    if "grad_accum_steps" in windows:
+        assert sizes[:-1] == [3] * (len(sizes) - 1) and 1 <= sizes[-1] <= 3
+    else:
+        assert len(set(sizes)) > 1  # windows of loss tokens: their lengths vary
+    with pytest.raises(ODBError, match="without ODB step metadata"):
+        next_window(iter([{"n": 1}]), dl)

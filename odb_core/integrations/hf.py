@@ -67,10 +67,10 @@ from odb_core.torch.meta import (
     STEP_META_KEY,
     pop_step_meta,
     scaled_loss,
-    step_meta,
     zero_if_unweighted,
 )
 from odb_core.torch.plan import updates_plan
+from odb_core.torch.windows import next_window
 
 __all__ = [
     "PRIVATE_MEMBERS",
@@ -465,19 +465,7 @@ class ODBHFTrainer(Trainer):
         loader = self.odb_loader
         if loader is None:
             raise ODBError("get_batch_samples before get_train_dataloader built the loader")
-        window: list[Any] = []
-        infos: list[Any] = []
-        for batch in epoch_iterator:
-            if not isinstance(batch, Mapping) or STEP_META_KEY not in batch:
-                raise ODBError(
-                    "the train dataloader yielded a batch without ODB step metadata "
-                    f"({STEP_META_KEY!r}); data_collator must return a dict"
-                )
-            window.append(batch)
-            infos.append(loader.step_info)
-            if step_meta(batch).sync_gradients:
-                break
-        self.odb_window_info = infos
+        window, self.odb_window_info = next_window(epoch_iterator, loader)
         if not window:
             self._epoch_ended(loader.run_progress)
             return [], None
