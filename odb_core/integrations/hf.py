@@ -97,14 +97,12 @@ _NO_TOKENS = (
     "windows"
 )
 #: ODBDataLoader arguments the trainer sets itself, and where to set them instead.
+#: The worker options, each from `TrainingArguments(dataloader_<option>=...)`.
+_WORKERS = ("num_workers", "persistent_workers", "prefetch_factor", "multiprocessing_context")
 _OWNED = {
     "dataset": "pass train_dataset= to ODBHFTrainer",
     "collate_fn": "pass data_collator= to ODBHFTrainer",
-    "num_workers": "set TrainingArguments(dataloader_num_workers=...)",
-    "pin_memory": "set TrainingArguments(dataloader_pin_memory=...)",
-    "persistent_workers": "set TrainingArguments(dataloader_persistent_workers=...)",
-    "prefetch_factor": "set TrainingArguments(dataloader_prefetch_factor=...)",
-    "multiprocessing_context": "set TrainingArguments(dataloader_multiprocessing_context=...)",
+    **{k: f"set TrainingArguments(dataloader_{k}=...)" for k in (*_WORKERS, "pin_memory")},
 }
 
 #: ODBArguments fields for the trainer, not the loader.
@@ -362,11 +360,8 @@ class ODBHFTrainer(Trainer):
         loader = ODBDataLoader(
             self.train_dataset,
             collate_fn=self._get_collator_with_removed_columns(self.data_collator, "training"),
-            num_workers=args.dataloader_num_workers,
             pin_memory=bool(args.dataloader_pin_memory and torch.cuda.is_available()),
-            persistent_workers=args.dataloader_persistent_workers,
-            prefetch_factor=args.dataloader_prefetch_factor,
-            multiprocessing_context=args.dataloader_multiprocessing_context,
+            **{k: getattr(args, f"dataloader_{k}") for k in _WORKERS},
             **opts,
         )
         self.odb_loader = loader
