@@ -14,6 +14,28 @@ from odb_core.errors import ConfigError
 from odb_core.integrations import versions
 from odb_core.progress import RunProgress
 
+
+class Rows:
+    """A map-style dataset of `n` token rows of varied lengths."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        return {"input_ids": torch.arange(2 + (i * 7919) % 23)}
+
+
+def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    import torch
+
+    return {"n": torch.tensor(len(samples))}
+
+
 # ---- whole and fractional epochs -------------------------------------------------------
 
 
@@ -60,27 +82,27 @@ def test_trainer_windows_take_the_trainers_accumulation() -> None:
         trainer_windows({"tokens_per_update": 64}, 1, SETTING, "use manual")
 
 
+def test_check_world_names_the_trainers_ranks() -> None:
+    from types import SimpleNamespace
+
+    from odb_core.torch.adapter_options import check_world
+
+    check_world(SimpleNamespace(world_size=2), 2, "the Trainer", "fix")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"built for 1 rank.* the Trainer runs 2: build it later"):
+        check_world(SimpleNamespace(world_size=1), 2, "the Trainer", "build it later")  # type: ignore[arg-type]
+
+
 # ---- a plan's samples per update -----------------------------------------------------------
 
 
 def test_plan_states_the_samples_an_update_takes() -> None:
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from odb_core import ODBDataLoader
     from odb_core.torch.plan import updates_plan
 
-    class Rows(torch.utils.data.Dataset):  # type: ignore[misc]
-        def __len__(self) -> int:
-            return 60
-
-        def __getitem__(self, i: int) -> dict[str, Any]:
-            return {"input_ids": torch.arange(2 + (i * 7919) % 23)}
-
-    def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"n": torch.tensor(len(samples))}
-
     for accum in (1, 3):
         dl = ODBDataLoader(
-            Rows(), token_budget=64, buffer_size=8, collate_fn=collate, grad_accum_steps=accum
+            Rows(60), token_budget=64, buffer_size=8, collate_fn=collate, grad_accum_steps=accum
         )
         plan = updates_plan(dl, 2)
         assert plan is not None and plan.samples == 60
@@ -128,22 +150,12 @@ def test_version_gate_raises_on_a_missing_member_and_warns_outside_the_range() -
 
 @pytest.mark.parametrize("windows", [{"grad_accum_steps": 3}, {"tokens_per_update": 40}])
 def test_next_window_is_the_batches_up_to_the_closing_step(windows: dict[str, int]) -> None:
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from odb_core import ODBDataLoader
     from odb_core.errors import ODBError
     from odb_core.torch.windows import next_window
 
-    class Rows(torch.utils.data.Dataset):  # type: ignore[misc]
-        def __len__(self) -> int:
-            return 40
-
-        def __getitem__(self, i: int) -> dict[str, Any]:
-            return {"input_ids": torch.arange(2 + (i * 7919) % 23)}
-
-    def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"n": torch.tensor(len(samples))}
-
-    dl = ODBDataLoader(Rows(), token_budget=48, buffer_size=8, collate_fn=collate, **windows)
+    dl = ODBDataLoader(Rows(40), token_budget=48, buffer_size=8, collate_fn=collate, **windows)
     it = iter(dl)
     sizes, steps = [], []
     while True:

@@ -41,6 +41,7 @@ from odb_core.integrations import versions
 from odb_core.integrations.versions import warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
+from odb_core.torch.adapter_options import check_world
 from odb_core.torch.checkpoint import gather_states, load_states
 from odb_core.torch.trainer_checks import check_accelerate_accumulation
 
@@ -124,12 +125,8 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
             raise ConfigError(
                 f"prepare_odb_loader does not support {accelerator.distributed_type}: {reason}"
             )
-        if accelerator.num_processes != loader.world_size:
-            raise ConfigError(
-                f"the loader was built for {loader.world_size} rank(s) but the Accelerator runs "
-                f"{accelerator.num_processes}: build the ODBDataLoader after Accelerator() "
-                "(which starts the process group)"
-            )
+        fix = "build the ODBDataLoader after Accelerator() (which starts the process group)"
+        check_world(loader, accelerator.num_processes, "the Accelerator", fix)
         check_accelerate_accumulation(accelerator.gradient_accumulation_steps)
         config = accelerator.dataloader_config
         for name, value, default in (

@@ -28,7 +28,6 @@ from typing import Any
 import lightning
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.strategies import Strategy
 
@@ -37,7 +36,12 @@ from odb_core.integrations import versions
 from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader, StepMeta, step_meta
-from odb_core.torch.adapter_options import check_dataset, check_options, trainer_windows
+from odb_core.torch.adapter_options import (
+    check_dataset,
+    check_options,
+    check_world,
+    trainer_windows,
+)
 from odb_core.torch.checkpoint import gather_states, load_states, states_of
 from odb_core.torch.plan import UpdatesPlan, updates_plan
 from odb_core.torch.prefetch import PrefetchedPasses
@@ -194,13 +198,12 @@ class ODBDataModule(pl.LightningDataModule):
         if trainer is not None:
             options = self._windows(trainer, options)
             self._check_trainer(trainer)
-            if trainer.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-                raise ConfigError(
-                    "the ODB loader is built before torch.distributed is initialized; it is "
-                    "built by train_dataloader() inside trainer.fit: do not call it earlier"
-                )
         self.window_steps = options.get("grad_accum_steps")
-        return ODBDataLoader(self.dataset, collate_fn=self.collate_fn, **options)
+        loader = ODBDataLoader(self.dataset, collate_fn=self.collate_fn, **options)
+        if trainer is not None:
+            fix = "it is built by train_dataloader() inside trainer.fit: do not call it earlier"
+            check_world(loader, trainer.world_size, "the Trainer", fix)
+        return loader
 
     @staticmethod
     def _windows(trainer: pl.Trainer, options: dict[str, Any]) -> dict[str, Any]:

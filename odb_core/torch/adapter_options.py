@@ -3,7 +3,7 @@ place for every adapter: the dataset is a dataset (the adapter builds the loader
 every option is the loader's, and the options a trainer sets itself, or that ODB
 replaces, are refused with where to set them instead (or ignored with a warning);
 and, for a trainer that steps the optimizer every G batches, the loader's windows
-set to the trainer's (`trainer_windows`)."""
+set to the trainer's (`trainer_windows`), over the trainer's ranks (`check_world`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from odb_core.errors import ConfigError
 from odb_core.torch.loader import ODBDataLoader
 
-__all__ = ["LOADER_OPTIONS", "check_dataset", "check_options", "trainer_windows"]
+__all__ = ["LOADER_OPTIONS", "check_dataset", "check_options", "check_world", "trainer_windows"]
 
 LOADER_OPTIONS = frozenset(inspect.signature(ODBDataLoader.__init__).parameters) - {"self"}
 
@@ -91,3 +91,13 @@ def trainer_windows(
             "grad_accum_steps unset: the loader's windows follow the trainer's)"
         )
     return {**options, "grad_accum_steps": steps if steps > 1 else None}
+
+
+def check_world(loader: ODBDataLoader, ranks: int, trainer: str, fix: str) -> None:
+    """The loader splits the data over the `ranks` processes `trainer` runs: it was
+    built after the process group started (`fix`: where to build it)."""
+    if loader.world_size != ranks:
+        raise ConfigError(
+            f"the loader was built for {loader.world_size} rank(s) but {trainer} runs "
+            f"{ranks}: {fix}"
+        )
