@@ -142,7 +142,6 @@ class ODBDataModule(pl.LightningDataModule):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.loader_options = dict(loader_options)
-        self.window_steps: int | None = None  # the loader's grad_accum_steps once built
         self._loader: ODBDataLoader | None = None
         self._passes: PrefetchedPasses | None = None  # the passes Lightning iterates
         self._train = _TrainLoader(self)
@@ -185,6 +184,11 @@ class ODBDataModule(pl.LightningDataModule):
         return self._loader
 
     @property
+    def window_steps(self) -> int | None:
+        """The loader's `grad_accum_steps` (None before it is built)."""
+        return None if self._loader is None else self._loader.config.grad_accum_steps
+
+    @property
     def passes(self) -> PrefetchedPasses:
         """The loader's passes as Lightning iterates them, one batch ahead of training."""
         if self._passes is None:
@@ -198,7 +202,6 @@ class ODBDataModule(pl.LightningDataModule):
         if trainer is not None:
             options = self._windows(trainer, options)
             self._check_trainer(trainer)
-        self.window_steps = options.get("grad_accum_steps")
         loader = ODBDataLoader(self.dataset, collate_fn=self.collate_fn, **options)
         if trainer is not None:
             fix = "it is built by train_dataloader() inside trainer.fit: do not call it earlier"
