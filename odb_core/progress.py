@@ -65,6 +65,21 @@ class RunProgress:
         done = self.epoch_samples if self.closed else min(self.samples, self.epoch_samples)
         return (self.epoch * self.epoch_samples + done) / (epochs * self.epoch_samples)
 
+    @property
+    def epochs_done(self) -> int:
+        """Whole epochs done: `epoch`, plus one once it has closed (so a run of E
+        epochs is over when this reaches E)."""
+        return self.epoch + int(self.closed)
+
+    @property
+    def epochs_run(self) -> float:
+        """The epochs run as a number, for a trainer's fractional epoch counter:
+        `epochs_done` plus the open epoch's share of its samples consumed, held
+        below 1 until the epoch closes (0 when the epoch's size is unknown)."""
+        if self.closed or self.epoch_samples <= 0:
+            return float(self.epochs_done)
+        return self.epoch + min(self.samples / self.epoch_samples, 0.999)
+
 
 @dataclass(frozen=True)
 class _Position:

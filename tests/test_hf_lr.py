@@ -59,3 +59,32 @@ def test_bad_warmup_and_min_lr_are_named() -> None:
         _map("linear", -1)
     with pytest.raises(ConfigError, match="min_lr=None, min_lr_rate=None"):
         _map("cosine_with_min_lr", 0, {})
+
+
+def test_progress_lr_runs_the_named_schedule_on_the_sources_progress() -> None:
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from odb_core.integrations.hf_lr import ClampedLR, progress_lr
+    from odb_core.progress import RunProgress
+
+    def args(kind: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            lr_scheduler_type=kind, warmup_steps=0, lr_scheduler_kwargs=None, learning_rate=1.0
+        )
+
+    source = SimpleNamespace(run_progress=RunProgress(epoch=0, epoch_samples=100, samples=50))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = progress_lr(args("linear"), opt, source, epochs=1, planned_updates=10, tokens=None)
+    assert sched.epochs == 1 and sched.get_last_lr() == [pytest.approx(0.5)]  # half the run
+    assert (
+        progress_lr(args("polynomial"), opt, source, epochs=1, planned_updates=10, tokens=None)
+        is None
+    )
+    with pytest.raises(ConfigError, match="lr_tokens needs a progress-driven schedule"):
+        progress_lr(args("polynomial"), opt, source, epochs=1, planned_updates=10, tokens=1)
+    step = torch.optim.lr_scheduler.StepLR(opt, 1)
+    clamped = ClampedLR.around(step, 3)
+    assert isinstance(clamped, ClampedLR) and ClampedLR.around(clamped, 3) is clamped
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    assert ClampedLR.around(plateau, 3) is plateau

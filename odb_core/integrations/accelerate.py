@@ -41,7 +41,9 @@ from odb_core.integrations import versions
 from odb_core.integrations.versions import warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
+from odb_core.torch.adapter_options import check_world
 from odb_core.torch.checkpoint import gather_states, load_states
+from odb_core.torch.trainer_checks import check_accelerate_accumulation
 
 __all__ = [
     "PRIVATE_MEMBERS",
@@ -51,12 +53,10 @@ __all__ = [
     "prepare_odb_loader",
 ]
 
-#: Accelerate versions the adapter is tested with (the `[accelerate]` extra's range is
-#: preferred when odb-core's metadata declares one).
-SUPPORTED_ACCELERATE = ">=1.16,<1.17"
-#: Accelerate internals the adapter relies on (the only ones; listed with every
-#: adapter's in `versions.PRIVATE_MEMBERS`): `check_accelerate_version` raises when one
-#: is missing.
+#: Accelerate versions the adapter is tested with when odb-core's metadata names no
+#: `[accelerate]` range (`versions.GATES`).
+SUPPORTED_ACCELERATE = versions.GATES["accelerate"].fallback
+#: Accelerate internals it relies on (`versions.PRIVATE_MEMBERS`).
 PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["accelerate"]
 _UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed scales and accumulates gradients in its own engine",
@@ -66,26 +66,12 @@ _UNSUPPORTED = {
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, message: str) -> None:
-    warn_once(_warned, key, message)
-
-
 def check_accelerate_version(version: str | None = None) -> bool:
     """Warn once when `accelerate.__version__` is outside the supported range; raise
     `ConfigError` when a member the adapter relies on is missing."""
-    return versions.gate(
-        "accelerate",
-        accelerate.__version__ if version is None else version,
-        {
-            "DataLoaderStateMixin": DataLoaderStateMixin,
-            "GradientState": GradientState,
-            "Accelerator": Accelerator,
-        },
-        extra="accelerate",
-        fallback=SUPPORTED_ACCELERATE,
-        relies="Accelerate's gradient state, no_sync and custom checkpoint objects",
-        warned=_warned,
-    )
+    owners = {"DataLoaderStateMixin": DataLoaderStateMixin, "GradientState": GradientState}
+    owners["Accelerator"] = Accelerator
+    return versions.gate("accelerate", version or accelerate.__version__, owners, _warned)
 
 
 def prepare_odb_loader(
@@ -139,13 +125,9 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
             raise ConfigError(
                 f"prepare_odb_loader does not support {accelerator.distributed_type}: {reason}"
             )
-        if accelerator.num_processes != loader.world_size:
-            raise ConfigError(
-                f"the loader was built for {loader.world_size} rank(s) but the Accelerator runs "
-                f"{accelerator.num_processes}: build the ODBDataLoader after Accelerator() "
-                "(which starts the process group)"
-            )
-        _check_accumulation(accelerator)
+        fix = "build the ODBDataLoader after Accelerator() (which starts the process group)"
+        check_world(loader, accelerator.num_processes, "the Accelerator", fix)
+        check_accelerate_accumulation(accelerator.gradient_accumulation_steps)
         config = accelerator.dataloader_config
         for name, value, default in (
             ("split_batches", config.split_batches, False),
@@ -153,7 +135,8 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
             ("data_seed", config.data_seed, None),
         ):
             if value != default:
-                _warn_once(
+                warn_once(
+                    _warned,
                     f"config:{name}",
                     f"DataLoaderConfiguration({name}={value!r}) is ignored for an ODBDataLoader: "
                     "every rank forms its own token-budget batches from its own share of the "
@@ -196,20 +179,18 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
         return self.loader.run_progress
 
     def __iter__(self) -> Iterator[Any]:
-        _check_accumulation(self.accelerator)
         self._expected_sync = None
-        it = iter(self.loader)
+        it = iter(self.loader)  # checks Accelerate's own accumulation (trainer_checks)
         self.begin()
         try:
             for batch in it:
                 self._check_sync_untouched()
                 info = self.loader.step_info  # the batch just yielded (no lookahead here)
-                if info is None:  # pragma: no cover - the loader sets it before yielding
-                    raise ConfigError("the ODBDataLoader yielded a batch without step info")
-                _check_accumulation(self.accelerator)
+                assert info is not None
+                check_accelerate_accumulation(self.accelerator.gradient_accumulation_steps)
                 self.end_of_dataloader = self.loader.epoch_closed
-                self.accelerator.sync_gradients = bool(info.sync_gradients)
                 self._expected_sync = bool(info.sync_gradients)
+                self.accelerator.sync_gradients = self._expected_sync
                 if self.device_placement:
                     batch = send_to_device(
                         batch, self.accelerator.device, non_blocking=self.accelerator.non_blocking
@@ -262,15 +243,3 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"<ODBAcceleratedLoader of {self.loader!r} on {self.accelerator.device}>"
-
-
-def _check_accumulation(accelerator: Accelerator) -> None:
-    steps = accelerator.gradient_accumulation_steps
-    if steps != 1:
-        raise ConfigError(
-            f"Accelerator(gradient_accumulation_steps={steps}) with an ODBDataLoader: "
-            f"accelerator.backward() would divide every loss by {steps} and "
-            "accelerator.accumulate() would count its own windows, while the loader's loss "
-            "scale already normalises over its window. Use Accelerator("
-            f"gradient_accumulation_steps=1) and ODBDataLoader(grad_accum_steps={steps})"
-        )

@@ -26,7 +26,6 @@ state (`odb_core.torch.checkpoint`, the format of every adapter).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -49,27 +48,29 @@ from transformers.trainer_utils import (
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
 from odb_core.integrations import versions
-from odb_core.integrations.hf_lr import ClampedLR, progress_schedule
+from odb_core.integrations.hf_lr import ClampedLR, progress_lr
 from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.schedule import TokenScaling
-from odb_core.torch import ODBDataLoader, ProgressLR
-from odb_core.torch.adapter_options import check_dataset, check_options
+from odb_core.torch import ODBDataLoader
+from odb_core.torch.adapter_options import check_dataset, check_options, trainer_windows
 from odb_core.torch.checkpoint import (
     STATES_FILE,
     gather_states,
     load_states,
+    read_json,
     read_states,
+    write_json,
     write_states,
 )
 from odb_core.torch.meta import (
     STEP_META_KEY,
     pop_step_meta,
     scaled_loss,
-    step_meta,
     zero_if_unweighted,
 )
 from odb_core.torch.plan import updates_plan
+from odb_core.torch.windows import next_window
 
 __all__ = [
     "PRIVATE_MEMBERS",
@@ -82,28 +83,26 @@ __all__ = [
 
 log = logging.getLogger("odb_core")
 
-#: The transformers versions this adapter is tested with (the `[hf]` extra's
-#: range, read from odb-core's metadata when installed; this is the fallback).
-SUPPORTED_TRANSFORMERS = ">=5.24.0,<5.25"
+#: The transformers versions this adapter is tested with when odb-core's metadata
+#: names no `[hf]` range (`versions.GATES`).
+SUPPORTED_TRANSFORMERS = versions.GATES["transformers"].fallback
 #: The file each checkpoint folder gets beside the loader states (checkpoint.STATES_FILE).
 TRAINER_STATE = "odb_trainer.json"
 
+#: Why the loader's windows cannot close on loss tokens here (`trainer_windows`).
+_NO_TOKENS = (
+    "the HF Trainer steps the optimizer every gradient_accumulation_steps micro-batches, so "
+    "windows of a token count are not supported here; use gradient_accumulation_steps, or "
+    "the Accelerate adapter (odb_core.integrations.accelerate), which follows the loader's "
+    "windows"
+)
 #: ODBDataLoader arguments the trainer sets itself, and where to set them instead.
+#: The worker options, each from `TrainingArguments(dataloader_<option>=...)`.
+_WORKERS = ("num_workers", "persistent_workers", "prefetch_factor", "multiprocessing_context")
 _OWNED = {
     "dataset": "pass train_dataset= to ODBHFTrainer",
     "collate_fn": "pass data_collator= to ODBHFTrainer",
-    "grad_accum_steps": "set TrainingArguments(gradient_accumulation_steps=...)",
-    "tokens_per_update": (
-        "the HF Trainer steps the optimizer every gradient_accumulation_steps "
-        "micro-batches, so windows of a token count are not supported here; use "
-        "gradient_accumulation_steps, or the Accelerate adapter (odb_core.integrations."
-        "accelerate), which follows the loader's windows"
-    ),
-    "num_workers": "set TrainingArguments(dataloader_num_workers=...)",
-    "pin_memory": "set TrainingArguments(dataloader_pin_memory=...)",
-    "persistent_workers": "set TrainingArguments(dataloader_persistent_workers=...)",
-    "prefetch_factor": "set TrainingArguments(dataloader_prefetch_factor=...)",
-    "multiprocessing_context": "set TrainingArguments(dataloader_multiprocessing_context=...)",
+    **{k: f"set TrainingArguments(dataloader_{k}=...)" for k in (*_WORKERS, "pin_memory")},
 }
 
 #: ODBArguments fields for the trainer, not the loader.
@@ -116,25 +115,17 @@ def _warn_once(key: str, message: str) -> None:
     warn_once(_warned, key, message)
 
 
-#: Trainer members that are not public API, what the adapter uses each for, and the
-#: transformers versions they were checked on (listed with every adapter's in
-#: `versions.PRIVATE_MEMBERS`); `check_transformers_version` raises when one is
-#: missing. Everything else goes through public methods and callbacks.
+#: Trainer members that are not public API it relies on (`versions.PRIVATE_MEMBERS`).
 PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["transformers"]
 
 
 def check_transformers_version(version: str | None = None) -> bool:
     """Warn once when `transformers.__version__` is outside the supported range;
     raise `ConfigError` when the Trainer lacks a member the adapter relies on."""
-    return versions.gate(
-        "transformers",
-        transformers.__version__ if version is None else version,
-        {"Trainer": Trainer},  # ProgressCallback.training_bar is set per instance
-        extra="hf",
-        fallback=SUPPORTED_TRANSFORMERS,
-        relies="how Trainer's loop counts gradient accumulation steps and normalises the loss",
-        warned=_warned,
-    )
+    return versions.gate("transformers", version or transformers.__version__, _OWNERS, _warned)
+
+
+_OWNERS = {"Trainer": Trainer}  # ProgressCallback.training_bar is set per instance
 
 
 # ---- options -----------------------------------------------------------------------------
@@ -147,13 +138,13 @@ class ODBArguments:
     `cost_model` defaults to `"padded"` (the loader's default is `"packed"`): an HF
     `data_collator` pads, and a padded batch costs rows x its longest row; pass
     `"packed"` with a packing collator. `None` leaves the `ODBDataLoader` default,
-    except `shuffle` (default: True, or
-    False with `train_sampling_strategy="sequential"`), `seed` (default:
+    except `shuffle` (default: True, or False with
+    `train_sampling_strategy="sequential"`), `seed` (default:
     `data_seed`, else `seed`) and `label_shift` (0 for an encoder-decoder model).
     Any other `ODBDataLoader` argument goes in `loader_kwargs` (or, with a dict,
     as a plain key). The trainer sets `collate_fn` (`data_collator`),
-    `grad_accum_steps` (`gradient_accumulation_steps`) and the worker options
-    (`dataloader_*`) itself.
+    `grad_accum_steps` (`gradient_accumulation_steps`; another value raises) and
+    the worker options (`dataloader_*`) itself.
     """
 
     token_budget: float
@@ -207,13 +198,12 @@ class ODBArguments:
 
 class _TrainBatches:
     """What the Trainer iterates: one pass is the rest of the loader's current epoch
-    (the loader starts its next epoch by itself when iterated again). No `set_epoch`
-    (the Trainer would pass its own epoch counter, which restarts at 0 on resume) and
-    no `batch_sampler`."""
+    (the loader starts its next epoch itself), none once the run's `epochs` are
+    done. No `set_epoch` (the Trainer's counter restarts at 0 on resume), no
+    `batch_sampler`."""
 
-    def __init__(self, loader: ODBDataLoader) -> None:
-        self.loader = loader
-        self.finished = False  # every epoch asked for has run
+    def __init__(self, loader: ODBDataLoader, epochs: int | None) -> None:
+        self.loader, self.epochs = loader, epochs
 
     @property
     def dataset(self) -> Any:
@@ -223,7 +213,8 @@ class _TrainBatches:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.finished:
+        epochs = self.epochs
+        if epochs is not None and self.loader.run_progress.epochs_done >= epochs:
             return iter(())
         return iter(self.loader)
 
@@ -261,12 +252,12 @@ class ODBHFTrainer(Trainer):
         self.odb_window_info: list[Any] = []
         self._odb_batches: _TrainBatches | None = None
         self._odb_resume_dir: str | None = None
-        self._odb_saved_schedule: int | None = None
+        self._odb_saved: dict[str, Any] = {}  # the sizes a resumed checkpoint planned
         self._odb_schedule_steps: int | None = None
-        self._odb_saved_plan: int | None = None
         self._odb_planned_updates: int | None = None  # state.max_steps, the planned total
         self._odb_target_epochs: int | None = None
         self._check_args()
+        self._odb_options()
         self._check_train_dataset(self.train_dataset)
         # First in line: its on_step_end keeps state.max_steps ahead of global_step
         # before DefaultFlowCallback would stop training there.
@@ -305,7 +296,7 @@ class ODBHFTrainer(Trainer):
                 "on the progress-driven schedule of an epoch run; set num_train_epochs and "
                 "max_steps=-1"
             )
-        default = _field_default(TrainingArguments, "per_device_train_batch_size")
+        default = TrainingArguments.__dataclass_fields__["per_device_train_batch_size"].default
         if args.per_device_train_batch_size != default:
             _warn_once(
                 "per_device_train_batch_size",
@@ -341,6 +332,14 @@ class ODBHFTrainer(Trainer):
             "as odb=ODBArguments(...)",
         )
 
+    def _odb_options(self) -> dict[str, Any]:
+        """The loader options, checked, with the Trainer's windows (G = 1 too: the
+        state fingerprint of checkpoints saved before)."""
+        accum = self.args.gradient_accumulation_steps
+        setting = "TrainingArguments(gradient_accumulation_steps)"
+        opts = trainer_windows(self.odb_args.loader_options(), accum, setting, _NO_TOKENS)
+        return {**opts, "grad_accum_steps": accum}
+
     # ---- the train dataloader ------------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:
@@ -351,7 +350,7 @@ class ODBHFTrainer(Trainer):
         self._check_train_dataset(self.train_dataset)
         self.close_odb_loader()
         args = self.args
-        opts = self.odb_args.loader_options()
+        opts = self._odb_options()
         if not isinstance(self.train_dataset, IterableDataset):  # a stream has its own order
             opts.setdefault("shuffle", args.train_sampling_strategy != "sequential")
         opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
@@ -361,17 +360,15 @@ class ODBHFTrainer(Trainer):
         loader = ODBDataLoader(
             self.train_dataset,
             collate_fn=self._get_collator_with_removed_columns(self.data_collator, "training"),
-            grad_accum_steps=args.gradient_accumulation_steps,
-            num_workers=args.dataloader_num_workers,
             pin_memory=bool(args.dataloader_pin_memory and torch.cuda.is_available()),
-            persistent_workers=args.dataloader_persistent_workers,
-            prefetch_factor=args.dataloader_prefetch_factor,
-            multiprocessing_context=args.dataloader_multiprocessing_context,
+            **{k: getattr(args, f"dataloader_{k}") for k in _WORKERS},
             **opts,
         )
         self.odb_loader = loader
-        self._odb_batches = _TrainBatches(loader)
-        self._odb_saved_schedule = self._odb_saved_plan = None
+        by_epochs = args.max_steps <= 0
+        self._odb_target_epochs = self._whole_epochs(args.num_train_epochs) if by_epochs else None
+        self._odb_batches = _TrainBatches(loader, self._odb_target_epochs)
+        self._odb_saved = {}
         if self._odb_resume_dir is not None:
             self._load_odb_state(self._odb_resume_dir)
         return self._odb_batches
@@ -379,9 +376,8 @@ class ODBHFTrainer(Trainer):
     def close_odb_loader(self) -> None:
         """Stop the loader's background protocol thread (a `train()` that stopped
         mid-epoch leaves it waiting); `odb_loader` stays readable."""
-        close = getattr(self.odb_loader, "close", None)
-        if callable(close):
-            close()
+        if self.odb_loader is not None:
+            self.odb_loader.close()
 
     def set_initial_training_values(
         self, args: TrainingArguments, dataloader: Any
@@ -395,49 +391,33 @@ class ODBHFTrainer(Trainer):
                 f"builds (an ODBDataLoader); got {type(dataloader).__name__}. Do not override "
                 "get_train_dataloader; pass the dataset and odb=ODBArguments(...) instead"
             )
-        loader = batches.loader
-        accum, max_steps = args.gradient_accumulation_steps, args.max_steps
-        by_epochs = max_steps <= 0
-        epochs = self._whole_epochs(args.num_train_epochs) if by_epochs else sys.maxsize
-        plan = updates_plan(loader, epochs if by_epochs else 1)
-        per_epoch = plan.epoch_cap if plan is not None else max_steps
-        self._odb_target_epochs = epochs if by_epochs else None
-        schedule = planned = max_steps
-        if by_epochs:
-            assert plan is not None  # the Trainer rejects an unsized dataset
-            max_steps = epochs * per_epoch
-            schedule = self._odb_saved_schedule or plan.upper
-            planned = self._odb_saved_plan or plan.planned
-        self._odb_schedule_steps, self._odb_planned_updates = schedule, planned
-        samples = len(loader.dataset) if plan is not None else 0
-        if plan is not None:
-            estimate = plan.estimate
-            log.info(
-                "odb: an epoch is estimated at %d steps (upper %d; %s); LR schedule and "
-                "progress bar sized to %d optimizer steps; the Trainer's step cap (%d per "
-                "epoch) is out of reach, epochs end with the loader's",
-                estimate.steps,
-                estimate.upper,
-                estimate.basis,
-                schedule,
-                per_epoch,
+        accum, max_steps, epochs = args.gradient_accumulation_steps, args.max_steps, batches.epochs
+        plan = updates_plan(batches.loader, epochs or 1)
+        self._odb_schedule_steps = self._odb_planned_updates = max_steps
+        if plan is None:  # a stream, run for max_steps (the Trainer rejects it otherwise)
+            per_update = args.world_size
+            examples = max_steps * per_update
+            return (
+                sys.maxsize,
+                max_steps,
+                examples,
+                examples,
+                per_update,
+                max_steps * accum,
+                max_steps,
             )
-        per_update = (
-            max(1, round(samples * accum / max(1, plan.estimate.steps)))
-            if plan is not None
-            else args.world_size
-        )
-        num_examples = samples if plan is not None else max_steps * per_update
-        train_samples = samples * epochs if by_epochs else max_steps * per_update
-        return (
-            epochs,
-            per_epoch,
-            num_examples,
-            train_samples,
-            per_update,
-            per_epoch * accum,
-            max_steps,
-        )
+        per_epoch, saved, samples = plan.epoch_cap, self._odb_saved, plan.samples
+        if epochs is not None:
+            max_steps = epochs * per_epoch
+            self._odb_schedule_steps = saved.get("schedule_steps") or plan.upper
+            # A plan for another number of epochs (a run extended on resume) is replanned.
+            kept = saved.get("num_train_epochs") == epochs and saved.get("planned_updates")
+            self._odb_planned_updates = kept or plan.planned
+        log.info(plan.describe(self._odb_schedule_steps))
+        per_update = plan.samples_per_update
+        train_samples = samples * epochs if epochs is not None else max_steps * per_update
+        epochs = epochs or sys.maxsize
+        return epochs, per_epoch, samples, train_samples, per_update, per_epoch * accum, max_steps
 
     @property
     def run_progress(self) -> RunProgress:
@@ -451,42 +431,23 @@ class ODBHFTrainer(Trainer):
         """`lr_scheduler_type` on the run's exact progress (`ProgressLR`) when the run is
         a number of epochs and the type has a progress form (hf_lr.py); otherwise the
         Trainer's schedule, sized to the estimated optimizer steps and clamped."""
-        if self.lr_scheduler is None and self._odb_target_epochs is not None:
-            args = self.args
-            schedule = progress_schedule(
-                args.lr_scheduler_type,
-                warmup_steps=args.warmup_steps,
-                scheduler_kwargs=args.lr_scheduler_kwargs,
-                learning_rate=args.learning_rate,
+        epochs = self._odb_target_epochs
+        if self.lr_scheduler is None and epochs is not None:
+            self.lr_scheduler = progress_lr(
+                self.args,
+                optimizer or self.optimizer,
+                self,
+                epochs=epochs,
                 planned_updates=max(1, self._odb_planned_updates or num_training_steps),
+                tokens=self.odb_args.lr_tokens,
             )
-            if schedule is not None:
-                self.lr_scheduler = ProgressLR(  # type: ignore[assignment]
-                    cast(torch.optim.Optimizer, optimizer or self.optimizer),
-                    self,
-                    epochs=self._odb_target_epochs,
-                    shape=schedule.shape,
-                    warmup=schedule.warmup,
-                    final=schedule.final,
-                    tokens=self.odb_args.lr_tokens,
-                )
+            if self.lr_scheduler is not None:
                 return self.lr_scheduler
-            if self.odb_args.lr_tokens is not None:
-                raise ConfigError(
-                    f"odb lr_tokens needs a progress-driven schedule; lr_scheduler_type="
-                    f"{args.lr_scheduler_type!r} with lr_scheduler_kwargs="
-                    f"{args.lr_scheduler_kwargs!r} has none (use linear, cosine, constant, "
-                    "constant_with_warmup or cosine_with_min_lr)"
-                )
         created = self.lr_scheduler is None
         steps = self._odb_schedule_steps or num_training_steps
         scheduler = super().create_scheduler(steps, optimizer)
-        if (
-            created
-            and hasattr(scheduler, "last_epoch")
-            and not isinstance(scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, ClampedLR))
-        ):
-            self.lr_scheduler = cast(Any, ClampedLR(scheduler, steps))
+        if created:
+            self.lr_scheduler = ClampedLR.around(scheduler, steps)
         return self.lr_scheduler
 
     # ---- one window at a time ------------------------------------------------------------
@@ -499,21 +460,9 @@ class ODBHFTrainer(Trainer):
         loader = self.odb_loader
         if loader is None:
             raise ODBError("get_batch_samples before get_train_dataloader built the loader")
-        window: list[Any] = []
-        infos: list[Any] = []
-        for batch in epoch_iterator:
-            if not isinstance(batch, Mapping) or STEP_META_KEY not in batch:
-                raise ODBError(
-                    "the train dataloader yielded a batch without ODB step metadata "
-                    f"({STEP_META_KEY!r}); data_collator must return a dict"
-                )
-            window.append(batch)
-            infos.append(loader.step_info)
-            if step_meta(batch).sync_gradients:
-                break
-        self.odb_window_info = infos
+        window, self.odb_window_info = next_window(epoch_iterator, loader)
         if not window:
-            self._epoch_ended(loader)
+            self._epoch_ended(loader.run_progress)
             return [], None
         accum = self.args.gradient_accumulation_steps
         if len(window) > accum:
@@ -528,20 +477,16 @@ class ODBHFTrainer(Trainer):
         ]
         return fill + window, None
 
-    def _epoch_ended(self, loader: ODBDataLoader) -> None:
-        epoch = loader.epoch  # the epoch it has just finished
-        self.state.epoch = float(epoch + 1)
-        self.control.should_epoch_stop = True
-        target = self._odb_target_epochs
-        if target is None or epoch + 1 < target:
-            return
-        if self._odb_batches is not None:
-            self._odb_batches.finished = True
+    def _epoch_ended(self, progress: RunProgress) -> None:
         control, args, state = self.control, self.args, self.state
+        state.epoch = progress.epochs_run
+        control.should_epoch_stop = True
+        target = self._odb_target_epochs
+        if target is None or progress.epochs_done < target:
+            return
         control.should_training_stop = True
-        state.max_steps = state.global_step  # the plan was an estimate; this is the run
+        state.max_steps = step = state.global_step  # the plan was an estimate; this is the run
         # What DefaultFlowCallback does when global_step reaches max_steps.
-        step = state.global_step
         if (
             step > 0
             and args.save_strategy == SaveStrategy.STEPS
@@ -651,38 +596,18 @@ class ODBHFTrainer(Trainer):
             "world_size": loader.world_size,
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
         }
-        tmp = Path(folder, TRAINER_STATE + ".tmp")
-        tmp.write_text(json.dumps(trainer))
-        os.replace(tmp, Path(folder, TRAINER_STATE))
+        write_json(folder, TRAINER_STATE, trainer)
 
     def _load_odb_state(self, folder: str) -> None:
-        loader = self.odb_loader
-        assert loader is not None
-        path = Path(folder)
-        entry = read_states(path)
+        entry = read_states(folder)
         if entry is None:
             raise ConfigError(
                 f"checkpoint {folder} has no ODB loader state ({STATES_FILE}): it was not "
                 "written by ODBHFTrainer, so the epoch cannot resume exactly once. Resume "
                 "from a checkpoint ODBHFTrainer saved, or start the training anew"
             )
-        load_states(loader, entry)
-        meta_file = path / TRAINER_STATE
-        if meta_file.exists():
-            saved = json.loads(meta_file.read_text())
-            if saved.get("schedule_steps"):
-                self._odb_saved_schedule = int(saved["schedule_steps"])
-            # A plan for another number of epochs (a run extended on resume) is replanned.
-            if saved.get("planned_updates") and saved.get("num_train_epochs") == (
-                self.args.num_train_epochs if self.args.max_steps <= 0 else None
-            ):
-                self._odb_saved_plan = int(saved["planned_updates"])
-        if loader.epoch_closed and self._odb_batches is not None:
-            # Saved at an epoch's end: that epoch counts as done.
-            done = loader.epoch + 1
-            target = self.args.num_train_epochs if self.args.max_steps <= 0 else None
-            if target is not None and done >= target:
-                self._odb_batches.finished = True
+        load_states(cast(ODBDataLoader, self.odb_loader), entry)
+        self._odb_saved = read_json(folder, TRAINER_STATE) or {}
 
 
 class _ODBCallback(TrainerCallback):
@@ -694,13 +619,9 @@ class _ODBCallback(TrainerCallback):
     def __init__(self, trainer: ODBHFTrainer) -> None:
         self.trainer = trainer
 
-    def _total(self) -> int | None:
-        t = self.trainer
-        return t._odb_planned_updates if t._odb_target_epochs is not None else None
-
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        total = self._total()
-        if total is None:
+        total = self.trainer._odb_planned_updates
+        if self.trainer._odb_target_epochs is None or total is None:
             return
         # The planned total (the progress bar's, which ProgressCallback builds after this).
         state.max_steps = max(total, state.global_step + 1)
@@ -713,10 +634,8 @@ class _ODBCallback(TrainerCallback):
         if t._odb_target_epochs is not None and state.global_step >= state.max_steps:
             # The run outlasts its planned total: the epochs, not the plan, end it.
             state.max_steps = state.global_step + 1
-        if t.odb_loader is not None:  # the epoch's samples done (0.999 at most: it ends later)
-            p = t.odb_loader.run_progress
-            done = min(p.samples / p.epoch_samples, 0.999) if p.epoch_samples else 0.0
-            state.epoch = p.epoch + done
+        if t.odb_loader is not None:
+            state.epoch = t.odb_loader.run_progress.epochs_run
         for bar in self._bars():
             if bar.total is not None and bar.total < state.max_steps:
                 bar.total = state.max_steps
@@ -731,9 +650,8 @@ class _ODBCallback(TrainerCallback):
     def _bars(self) -> list[Any]:
         """The training bars of the Trainer's ProgressCallbacks (PRIVATE_MEMBERS)."""
         callbacks = self.trainer.callback_handler.callbacks
-        bars = [getattr(cb, "training_bar", None) for cb in callbacks]
-        kept = zip(bars, callbacks, strict=True)
-        return [b for b, cb in kept if b is not None and isinstance(cb, ProgressCallback)]
+        bars = [(getattr(cb, "training_bar", None), cb) for cb in callbacks]
+        return [b for b, cb in bars if b is not None and isinstance(cb, ProgressCallback)]
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Every rank (a collective), after the Trainer saved its checkpoint folder.
@@ -742,16 +660,6 @@ class _ODBCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.close_odb_loader()
-
-
-# ---- helpers -----------------------------------------------------------------------------
-
-
-def _field_default(cls: type, name: str) -> Any:
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            return f.default
-    return None
 
 
 __getattr__ = deprecated_names(__name__, {"ODBTrainer": ("ODBHFTrainer", ODBHFTrainer)})

@@ -23,7 +23,7 @@ from typing import Any
 from odb_core.errors import ConfigError
 from odb_core.schedule import Schedule, Shape
 
-__all__ = ["ClampedLR", "progress_schedule"]
+__all__ = ["ClampedLR", "progress_lr", "progress_schedule"]
 
 _SHAPES = {
     "linear": Shape.LINEAR,
@@ -67,6 +67,36 @@ def progress_schedule(
     return Schedule(shape, warmup=warmup, final=final)
 
 
+def progress_lr(
+    args: Any, optimizer: Any, source: Any, *, epochs: int, planned_updates: int, tokens: Any
+) -> Any:
+    """A `ProgressLR` over `epochs` epochs of `source` running the schedule that
+    `args` (`TrainingArguments`) names, token-aware with `tokens`; None where the
+    type has no progress form (`tokens` then raises: the token-aware rate needs one)."""
+    from odb_core.torch.schedule import ProgressLR
+
+    schedule = progress_schedule(
+        args.lr_scheduler_type,
+        warmup_steps=args.warmup_steps,
+        scheduler_kwargs=args.lr_scheduler_kwargs,
+        learning_rate=args.learning_rate,
+        planned_updates=planned_updates,
+    )
+    if schedule is None:
+        if tokens is not None:
+            raise ConfigError(
+                f"odb lr_tokens needs a progress-driven schedule; lr_scheduler_type="
+                f"{args.lr_scheduler_type!r} with lr_scheduler_kwargs="
+                f"{args.lr_scheduler_kwargs!r} has none (use linear, cosine, constant, "
+                "constant_with_warmup or cosine_with_min_lr)"
+            )
+        return None
+    shape, warmup, final = schedule.shape, schedule.warmup, schedule.final
+    return ProgressLR(
+        optimizer, source, epochs=epochs, shape=shape, warmup=warmup, final=final, tokens=tokens
+    )
+
+
 def _warmup_fraction(warmup_steps: float, planned_updates: int) -> float:
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
         raise ConfigError(f"warmup_steps={warmup_steps!r} must be a number")
@@ -90,6 +120,16 @@ class ClampedLR:
     def __init__(self, scheduler: Any, total: int) -> None:
         self.scheduler = scheduler
         self.total = int(total)
+
+    @classmethod
+    def around(cls, scheduler: Any, total: int) -> Any:
+        """`scheduler` clamped at `total` steps; as it is when it has no step count
+        (`last_epoch`), is `ReduceLROnPlateau` (driven by a metric) or is clamped."""
+        from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+        if not hasattr(scheduler, "last_epoch") or isinstance(scheduler, (cls, ReduceLROnPlateau)):
+            return scheduler
+        return cls(scheduler, total)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if self.scheduler.last_epoch < self.total:

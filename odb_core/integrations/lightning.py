@@ -28,7 +28,6 @@ from typing import Any
 import lightning
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.strategies import Strategy
 
@@ -37,7 +36,12 @@ from odb_core.integrations import versions
 from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader, StepMeta, step_meta
-from odb_core.torch.adapter_options import check_dataset, check_options
+from odb_core.torch.adapter_options import (
+    check_dataset,
+    check_options,
+    check_world,
+    trainer_windows,
+)
 from odb_core.torch.checkpoint import gather_states, load_states, states_of
 from odb_core.torch.plan import UpdatesPlan, updates_plan
 from odb_core.torch.prefetch import PrefetchedPasses
@@ -55,19 +59,20 @@ __all__ = [
     "lightning_loss",
 ]
 
-#: Lightning versions the adapter is tested with (the `[lightning]` extra's range is
-#: preferred when odb-core's metadata declares one).
-SUPPORTED_LIGHTNING = ">=2.6,<2.7"
-#: Lightning members the adapter relies on that are not public API: none (the
-#: `versions.PRIVATE_MEMBERS` entry). `check_lightning_version` raises when one of
-#: these, or of the public members in `_RELIES_ON` (checked on 2.6), is missing.
+#: Lightning versions the adapter is tested with when odb-core's metadata names no
+#: `[lightning]` range (`versions.GATES`).
+SUPPORTED_LIGHTNING = versions.GATES["lightning"].fallback
+#: Lightning members it relies on that are not public API: none (`versions.GATES`
+#: lists the public ones its gate checks).
 PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["lightning"]
-_RELIES_ON = (
-    "Trainer.estimated_stepping_batches",
-    "Strategy.handles_gradient_accumulation",
-    "TQDMProgressBar.total_train_batches",
-)
 _warned: set[str] = set()
+#: Why the loader's windows cannot close on loss tokens here (`trainer_windows`).
+_NO_TOKENS = (
+    "it closes windows on loss tokens, which Lightning's automatic optimization (a fixed "
+    "accumulate_grad_batches) cannot follow: use manual optimization (self."
+    "automatic_optimization = False; manual_backward the scaled loss and step the optimizer "
+    "when meta.sync_gradients)"
+)
 
 
 def _datamodule_of(trainer: pl.Trainer) -> Any:
@@ -81,16 +86,8 @@ def _warn_once(key: str, message: str) -> None:
 def check_lightning_version(version: str | None = None) -> bool:
     """Warn once when `lightning.__version__` is outside the supported range; raise
     `ConfigError` when a member the adapter relies on is missing."""
-    return versions.gate(
-        "lightning",
-        lightning.__version__ if version is None else version,
-        {"Trainer": pl.Trainer, "Strategy": Strategy, "TQDMProgressBar": TQDMProgressBar},
-        public=_RELIES_ON,
-        extra="lightning",
-        fallback=SUPPORTED_LIGHTNING,
-        relies="Lightning's fit loop (prefetch, gradient accumulation, checkpoint hooks)",
-        warned=_warned,
-    )
+    owners = {"Trainer": pl.Trainer, "Strategy": Strategy, "TQDMProgressBar": TQDMProgressBar}
+    return versions.gate("lightning", version or lightning.__version__, owners, _warned)
 
 
 # ---- the DataModule ---------------------------------------------------------------------
@@ -145,7 +142,6 @@ class ODBDataModule(pl.LightningDataModule):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.loader_options = dict(loader_options)
-        self.window_steps: int | None = None  # the loader's grad_accum_steps once built
         self._loader: ODBDataLoader | None = None
         self._passes: PrefetchedPasses | None = None  # the passes Lightning iterates
         self._train = _TrainLoader(self)
@@ -188,6 +184,11 @@ class ODBDataModule(pl.LightningDataModule):
         return self._loader
 
     @property
+    def window_steps(self) -> int | None:
+        """The loader's `grad_accum_steps` (None before it is built)."""
+        return None if self._loader is None else self._loader.config.grad_accum_steps
+
+    @property
     def passes(self) -> PrefetchedPasses:
         """The loader's passes as Lightning iterates them, one batch ahead of training."""
         if self._passes is None:
@@ -197,49 +198,31 @@ class ODBDataModule(pl.LightningDataModule):
 
     def _build_loader(self) -> ODBDataLoader:
         options = dict(self.loader_options)
-        trainer = self._trainer_or_none()
+        trainer = self.trainer
         if trainer is not None:
             options = self._windows(trainer, options)
             self._check_trainer(trainer)
-            if trainer.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-                raise ConfigError(
-                    "the ODB loader is built before torch.distributed is initialized; it is "
-                    "built by train_dataloader() inside trainer.fit: do not call it earlier"
-                )
-        self.window_steps = options.get("grad_accum_steps")
-        return ODBDataLoader(self.dataset, collate_fn=self.collate_fn, **options)
+        loader = ODBDataLoader(self.dataset, collate_fn=self.collate_fn, **options)
+        if trainer is not None:
+            fix = "it is built by train_dataloader() inside trainer.fit: do not call it earlier"
+            check_world(loader, trainer.world_size, "the Trainer", fix)
+        return loader
 
     @staticmethod
     def _windows(trainer: pl.Trainer, options: dict[str, Any]) -> dict[str, Any]:
-        """Lightning's gradient-accumulation windows are the loader's."""
+        """Lightning's gradient-accumulation windows are the loader's (automatic
+        optimization; in manual optimization you step on meta.sync_gradients)."""
         module = trainer.lightning_module
         if module is not None and not module.automatic_optimization:
-            return options  # you step on meta.sync_gradients
+            return options
         accumulate = int(trainer.accumulate_grad_batches)
-        if options.get("tokens_per_update") is not None:
-            raise ConfigError(
-                "tokens_per_update closes windows on loss tokens, which Lightning's automatic "
-                "optimization (a fixed accumulate_grad_batches) cannot follow: use manual "
-                "optimization (self.automatic_optimization = False; manual_backward the "
-                "scaled loss and step the optimizer when meta.sync_gradients)"
-            )
         if accumulate > 1 and trainer.strategy.handles_gradient_accumulation:
             raise ConfigError(
                 f"{type(trainer.strategy).__name__} accumulates gradients itself, over "
                 "windows that do not restart at each epoch; use accumulate_grad_batches=1 "
                 "and manual optimization for ODB windows"
             )
-        wanted = options.get("grad_accum_steps")
-        if wanted is None:
-            options["grad_accum_steps"] = accumulate if accumulate > 1 else None
-        elif wanted != accumulate:
-            raise ConfigError(
-                f"grad_accum_steps={wanted} but Trainer(accumulate_grad_batches={accumulate}): "
-                "Lightning steps the optimizer every accumulate_grad_batches batches, so "
-                f"set accumulate_grad_batches={wanted} (or leave grad_accum_steps unset: the "
-                "DataModule takes Lightning's)"
-            )
-        return options
+        return trainer_windows(options, accumulate, "Trainer(accumulate_grad_batches)", _NO_TOKENS)
 
     @staticmethod
     def _check_trainer(trainer: pl.Trainer) -> None:
@@ -252,11 +235,8 @@ class ODBDataModule(pl.LightningDataModule):
                 "advance; for real runs leave it at 1.0",
             )
 
-    def _trainer_or_none(self) -> pl.Trainer | None:
-        return self.trainer
-
     def _attach_callback(self) -> None:
-        trainer = self._trainer_or_none()
+        trainer = self.trainer
         if trainer is None:
             return
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]

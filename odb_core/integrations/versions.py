@@ -4,6 +4,8 @@ or the adapter's own fallback when odb-core was installed without it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -116,35 +118,61 @@ PRIVATE_MEMBERS: dict[str, dict[str, str]] = {
         "GradientState.end_of_dataloader": "the shared gradient state (accelerate.state; 1.16)",
         "Accelerator.sync_gradients": "its setter: the loader's window boundary (1.16)",
     },
-    "lightning": {},  # public API only (checked on 2.6): see the adapter's relied-on members
+    "lightning": {},  # public API only (checked on 2.6): its gate's `public` members
 }
 
 
-def gate(
-    package: str,
-    version: str,
-    owners: dict[str, object],
-    *,
-    extra: str,
-    fallback: str,
-    relies: str,
-    warned: set[str],
-    public: tuple[str, ...] = (),
-) -> bool:
-    """`check_version` for the adapter of `package`: the members it relies on are its
-    `PRIVATE_MEMBERS` entry and `public` (each "Owner.member", checked on `owners`)."""
-    names = [*PRIVATE_MEMBERS[package], *public]
-    missing = [
-        n
-        for n in names
-        if n.split(".")[0] in owners and not hasattr(owners[n.split(".")[0]], n.split(".")[1])
-    ]
+@dataclass(frozen=True)
+class Gate:
+    """What an adapter's version gate checks: the extra naming the supported range,
+    the range it falls back to when odb-core's metadata names none, what the adapter
+    relies on (for the warning), and the public members it checks beside its
+    `PRIVATE_MEMBERS` entry (each "Owner.member")."""
+
+    extra: str
+    fallback: str
+    relies: str
+    public: tuple[str, ...] = ()
+
+
+#: The version gate of each trainer library's adapter.
+GATES: dict[str, Gate] = {
+    "transformers": Gate(
+        "hf",
+        ">=5.24.0,<5.25",
+        "how Trainer's loop counts gradient accumulation steps and normalises the loss",
+    ),
+    "accelerate": Gate(
+        "accelerate",
+        ">=1.16,<1.17",
+        "Accelerate's gradient state, no_sync and custom checkpoint objects",
+    ),
+    "lightning": Gate(
+        "lightning",
+        ">=2.6,<2.7",
+        "Lightning's fit loop (prefetch, gradient accumulation, checkpoint hooks)",
+        public=(
+            "Trainer.estimated_stepping_batches",
+            "Strategy.handles_gradient_accumulation",
+            "TQDMProgressBar.total_train_batches",
+        ),
+    ),
+}
+
+
+def gate(package: str, version: str, owners: Mapping[str, object], warned: set[str]) -> bool:
+    """`check_version` for the adapter of `package` (its `GATES` entry): the members
+    it relies on are its `PRIVATE_MEMBERS` entry and the gate's `public` ones, each
+    "Owner.member" checked on `owners`."""
+    spec = GATES[package]
+    pairs = [n.split(".") for n in [*PRIVATE_MEMBERS[package], *spec.public]]
+    missing = [f"{o}.{m}" for o, m in pairs if o in owners and not hasattr(owners[o], m)]
     return check_version(
         package,
         version,
-        extra=extra,
-        fallback=fallback,
+        extra=spec.extra,
+        fallback=spec.fallback,
         missing=missing,
-        relies=relies,
+        relies=spec.relies,
         warned=warned,
     )

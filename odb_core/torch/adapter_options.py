@@ -1,7 +1,9 @@
 """The `ODBDataLoader` options a trainer adapter takes from its user, checked in one
 place for every adapter: the dataset is a dataset (the adapter builds the loader),
 every option is the loader's, and the options a trainer sets itself, or that ODB
-replaces, are refused with where to set them instead (or ignored with a warning)."""
+replaces, are refused with where to set them instead (or ignored with a warning);
+and, for a trainer that steps the optimizer every G batches, the loader's windows
+set to the trainer's (`trainer_windows`), over the trainer's ranks (`check_world`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from torch.utils.data import DataLoader
 from odb_core.errors import ConfigError
 from odb_core.torch.loader import ODBDataLoader
 
-__all__ = ["LOADER_OPTIONS", "check_dataset", "check_options"]
+__all__ = ["LOADER_OPTIONS", "check_dataset", "check_options", "check_world", "trainer_windows"]
 
 LOADER_OPTIONS = frozenset(inspect.signature(ODBDataLoader.__init__).parameters) - {"self"}
 
@@ -68,3 +70,34 @@ def check_options(
             stacklevel=3,
         )
     return {k: v for k, v in options.items() if k != "batch_size"}
+
+
+def trainer_windows(
+    options: Mapping[str, Any], steps: int, setting: str, no_tokens: str
+) -> dict[str, Any]:
+    """`options` with the loader's optimizer windows set to those of a trainer that
+    steps the optimizer every `steps` batches (`setting`: the trainer's argument,
+    e.g. "Trainer(accumulate_grad_batches)"): `grad_accum_steps` is `steps` (None
+    for 1); another value raises, and so does `tokens_per_update` (windows such a
+    trainer cannot follow; `no_tokens` says what to do instead)."""
+    if options.get("tokens_per_update") is not None:
+        raise ConfigError(f"tokens_per_update={options['tokens_per_update']!r}: {no_tokens}")
+    wanted = options.get("grad_accum_steps")
+    if wanted is not None and wanted != steps:
+        owner, name = setting.rstrip(")").split("(")
+        raise ConfigError(
+            f"grad_accum_steps={wanted} but {owner}({name}={steps}): the trainer steps the "
+            f"optimizer every {name} batches, so set {name}={wanted} (or leave "
+            "grad_accum_steps unset: the loader's windows follow the trainer's)"
+        )
+    return {**options, "grad_accum_steps": steps if steps > 1 else None}
+
+
+def check_world(loader: ODBDataLoader, ranks: int, trainer: str, fix: str) -> None:
+    """The loader splits the data over the `ranks` processes `trainer` runs: it was
+    built after the process group started (`fix`: where to build it)."""
+    if loader.world_size != ranks:
+        raise ConfigError(
+            f"the loader was built for {loader.world_size} rank(s) but {trainer} runs "
+            f"{ranks}: {fix}"
+        )

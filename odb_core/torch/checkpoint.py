@@ -12,7 +12,8 @@ config, consistency, and across ranks at the first iteration) before anything
 is applied. The two formats the adapters wrote before (Accelerate's
 `odb-accelerate-loader`, Lightning's `odb-lightning-datamodule`) are read too.
 `write_states(folder, entry)` / `read_states(folder)` keep the entry in a
-checkpoint folder (`odb_loader_states.json`) for a trainer that saves folders.
+checkpoint folder (`odb_loader_states.json`) for a trainer that saves folders
+(`write_json` / `read_json` for a trainer's own file beside it).
 """
 
 from __future__ import annotations
@@ -119,24 +120,35 @@ STATES_FILE = "odb_loader_states.json"
 _RANK_FILES = "odb_loader_rank*.json"  # a file per rank, before one format: read once
 
 
-def write_states(folder: str | os.PathLike[str], entry: Mapping[str, Any]) -> Path:
-    """Write `gather_states`' entry into `folder` (atomically: a reader sees the old
-    file or the new one); returns the file."""
-    path = Path(folder, STATES_FILE)
+def write_json(folder: str | os.PathLike[str], name: str, data: Any) -> Path:
+    """Write `data` as JSON to `folder/name` atomically (a reader sees the old file
+    or the new one); returns the file. A trainer's own sidecar uses it too."""
+    path = Path(folder, name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(entry))
+    tmp = path.with_name(name + ".tmp")
+    tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
     return path
+
+
+def read_json(folder: str | os.PathLike[str], name: str) -> Any:
+    """What `write_json` wrote to `folder/name`; None when there is no such file."""
+    path = Path(folder, name)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_states(folder: str | os.PathLike[str], entry: Mapping[str, Any]) -> Path:
+    """Write `gather_states`' entry into `folder` (atomically); returns the file."""
+    return write_json(folder, STATES_FILE, entry)
 
 
 def read_states(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The entry `write_states` wrote into `folder` (or the per-rank files odb-core
     wrote before one format, as one entry); None when the folder has neither."""
-    path = Path(folder)
-    if (path / STATES_FILE).exists():
-        entry: dict[str, Any] = json.loads((path / STATES_FILE).read_text())
+    entry: dict[str, Any] | None = read_json(folder, STATES_FILE)
+    if entry is not None:
         return entry
+    path = Path(folder)
     files = sorted(path.glob(_RANK_FILES))
     if not files:
         return None

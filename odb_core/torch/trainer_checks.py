@@ -23,17 +23,23 @@ def check_trainer_context(loader: Any) -> None:
 
 
 def _check_accelerate_accumulation() -> None:
-    """Accelerate's own accumulation (gradient_accumulation_steps=G > 1) divides every
-    loss by G and counts its own windows over the loader's window-normalised losses."""
+    """A live Accelerator's own accumulation (`check_accelerate_accumulation`)."""
     state = sys.modules.get("accelerate.state")
     gradient_state = getattr(state, "GradientState", None)
     shared = getattr(gradient_state, "_shared_state", None)
     if not shared or not getattr(state.AcceleratorState, "_shared_state", None):  # type: ignore[union-attr]
         return  # no live Accelerator
-    steps = int(dict(shared).get("plugin_kwargs", {}).get("num_steps", 1) or 1)
+    check_accelerate_accumulation(dict(shared).get("plugin_kwargs", {}).get("num_steps", 1))
+
+
+def check_accelerate_accumulation(steps: int | None) -> None:
+    """Accelerate's own accumulation (`Accelerator(gradient_accumulation_steps=G > 1)`)
+    divides every loss by G and counts its own windows over the loader's
+    window-normalised losses: raise naming the fix (also the Accelerate adapter's check)."""
+    steps = int(steps or 1)
     if steps > 1:
         raise ConfigError(
-            f"an ODBDataLoader iterated under Accelerator(gradient_accumulation_steps={steps}): "
+            f"an ODBDataLoader under Accelerator(gradient_accumulation_steps={steps}): "
             f"accelerator.backward() divides every loss by {steps} and accelerator.accumulate() "
             "counts its own windows, while the loader's loss scale already normalises over its "
             "window (the gradients would be wrong). Use Accelerator(gradient_accumulation_steps=1)"
