@@ -35,6 +35,7 @@ PROCS = frozenset(
         "test_torch_cli",
         "test_torch_distributed",
         "test_torch_dynamic",
+        "test_torch_early",
         "test_torchrun_nodes",
         "test_torchrun_restart",
     }
