@@ -38,12 +38,7 @@ import transformers
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import (
-    PREFIX_CHECKPOINT_DIR,
-    IntervalStrategy,
-    SaveStrategy,
-    get_last_checkpoint,
-)
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
@@ -109,10 +104,6 @@ _OWNED = {
 _TRAINER_FIELDS = ("loader_kwargs", "lr_tokens")
 
 _warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    warn_once(_warned, key, message)
 
 
 #: Trainer members that are not public API it relies on (`versions.PRIVATE_MEMBERS`).
@@ -298,14 +289,16 @@ class ODBHFTrainer(Trainer):
             )
         default = TrainingArguments.__dataclass_fields__["per_device_train_batch_size"].default
         if args.per_device_train_batch_size != default:
-            _warn_once(
+            warn_once(
+                _warned,
                 "per_device_train_batch_size",
                 f"per_device_train_batch_size={args.per_device_train_batch_size} is ignored "
                 "by ODBHFTrainer: batches are sized by odb token_budget (cap the samples per "
                 "batch with odb max_samples=). Leave per_device_train_batch_size at its default.",
             )
         if args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
-            _warn_once(
+            warn_once(
+                _warned,
                 "train_sampling_strategy",
                 f"train_sampling_strategy={args.train_sampling_strategy!r} is ignored by "
                 "ODBHFTrainer: the loader groups samples by cost itself (shuffle per epoch, or "
@@ -478,28 +471,13 @@ class ODBHFTrainer(Trainer):
         return fill + window, None
 
     def _epoch_ended(self, progress: RunProgress) -> None:
-        control, args, state = self.control, self.args, self.state
+        state = self.state
         state.epoch = progress.epochs_run
-        control.should_epoch_stop = True
+        self.control.should_epoch_stop = True
         target = self._odb_target_epochs
-        if target is None or progress.epochs_done < target:
-            return
-        control.should_training_stop = True
-        state.max_steps = step = state.global_step  # the plan was an estimate; this is the run
-        # What DefaultFlowCallback does when global_step reaches max_steps.
-        if (
-            step > 0
-            and args.save_strategy == SaveStrategy.STEPS
-            and (not state.save_steps or step % state.save_steps)
-        ):
-            control.should_save = True
-        if (
-            step > 0
-            and args.eval_strategy == IntervalStrategy.STEPS
-            and step % state.eval_steps
-            and args.eval_delay <= step
-        ):
-            control.should_evaluate = True
+        if target is not None and progress.epochs_done >= target:  # none left (a resume)
+            self.control.should_training_stop = True
+            state.max_steps = state.global_step
 
     # ---- loss ----------------------------------------------------------------------------
 
@@ -631,20 +609,21 @@ class _ODBCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
-        if t._odb_target_epochs is not None and state.global_step >= state.max_steps:
-            # The run outlasts its planned total: the epochs, not the plan, end it.
-            state.max_steps = state.global_step + 1
-        if t.odb_loader is not None:
-            state.epoch = t.odb_loader.run_progress.epochs_run
-        for bar in self._bars():
-            if bar.total is not None and bar.total < state.max_steps:
+        loader, target = t.odb_loader, t._odb_target_epochs
+        if loader is not None:
+            state.epoch = loader.run_progress.epochs_run
+        if loader is not None and target is not None:
+            if loader.run_progress.epochs_done >= target:
+                # The window just trained closed the last epoch: this step is the run's
+                # last, and DefaultFlowCallback (after this one) ends the run there, with
+                # its final save and evaluation.
+                state.max_steps = state.global_step
+            elif state.global_step >= state.max_steps:
+                # The run outlasts its planned total: the epochs, not the plan, end it.
+                state.max_steps = state.global_step + 1
+        for bar in self._bars():  # the bar ends full, not at the estimate
+            if bar.total is not None and bar.total != state.max_steps:
                 bar.total = state.max_steps
-                bar.refresh()
-
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if control.should_training_stop:  # the bar ends full, not at the estimate
-            for bar in self._bars():
-                bar.total = bar.n
                 bar.refresh()
 
     def _bars(self) -> list[Any]:
