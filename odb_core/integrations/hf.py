@@ -25,17 +25,15 @@ state (`odb_core.torch.checkpoint`, the format of every adapter).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import transformers
-from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -43,12 +41,17 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
 from odb_core.integrations import versions
+from odb_core.integrations.hf_args import (
+    ODBArguments,
+    check_training_args,
+    run_options,
+    whole_epochs,
+)
 from odb_core.integrations.hf_lr import ClampedLR, progress_lr
-from odb_core.integrations.versions import deprecated_names, warn_once
+from odb_core.integrations.versions import deprecated_names
 from odb_core.progress import RunProgress
-from odb_core.schedule import TokenScaling
 from odb_core.torch import ODBDataLoader
-from odb_core.torch.adapter_options import check_dataset, check_options, trainer_windows
+from odb_core.torch.adapter_options import check_dataset
 from odb_core.torch.checkpoint import (
     STATES_FILE,
     gather_states,
@@ -58,12 +61,7 @@ from odb_core.torch.checkpoint import (
     write_json,
     write_states,
 )
-from odb_core.torch.meta import (
-    STEP_META_KEY,
-    pop_step_meta,
-    scaled_loss,
-    zero_if_unweighted,
-)
+from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, zero_if_unweighted
 from odb_core.torch.plan import updates_plan
 from odb_core.torch.windows import next_window
 
@@ -84,25 +82,6 @@ SUPPORTED_TRANSFORMERS = versions.GATES["transformers"].fallback
 #: The file each checkpoint folder gets beside the loader states (checkpoint.STATES_FILE).
 TRAINER_STATE = "odb_trainer.json"
 
-#: Why the loader's windows cannot close on loss tokens here (`trainer_windows`).
-_NO_TOKENS = (
-    "the HF Trainer steps the optimizer every gradient_accumulation_steps micro-batches, so "
-    "windows of a token count are not supported here; use gradient_accumulation_steps, or "
-    "the Accelerate adapter (odb_core.integrations.accelerate), which follows the loader's "
-    "windows"
-)
-#: ODBDataLoader arguments the trainer sets itself, and where to set them instead.
-#: The worker options, each from `TrainingArguments(dataloader_<option>=...)`.
-_WORKERS = ("num_workers", "persistent_workers", "prefetch_factor", "multiprocessing_context")
-_OWNED = {
-    "dataset": "pass train_dataset= to ODBHFTrainer",
-    "collate_fn": "pass data_collator= to ODBHFTrainer",
-    **{k: f"set TrainingArguments(dataloader_{k}=...)" for k in (*_WORKERS, "pin_memory")},
-}
-
-#: ODBArguments fields for the trainer, not the loader.
-_TRAINER_FIELDS = ("loader_kwargs", "lr_tokens")
-
 _warned: set[str] = set()
 
 
@@ -117,71 +96,6 @@ def check_transformers_version(version: str | None = None) -> bool:
 
 
 _OWNERS = {"Trainer": Trainer}  # ProgressCallback.training_bar is set per instance
-
-
-# ---- options -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ODBArguments:
-    """ODB's loader options for `ODBHFTrainer` (what `TrainingArguments` has no field for).
-
-    `cost_model` defaults to `"padded"` (the loader's default is `"packed"`): an HF
-    `data_collator` pads, and a padded batch costs rows x its longest row; pass
-    `"packed"` with a packing collator. `None` leaves the `ODBDataLoader` default,
-    except `shuffle` (default: True, or False with
-    `train_sampling_strategy="sequential"`), `seed` (default:
-    `data_seed`, else `seed`) and `label_shift` (0 for an encoder-decoder model).
-    Any other `ODBDataLoader` argument goes in `loader_kwargs` (or, with a dict,
-    as a plain key). The trainer sets `collate_fn` (`data_collator`),
-    `grad_accum_steps` (`gradient_accumulation_steps`; another value raises) and
-    the worker options (`dataloader_*`) itself.
-    """
-
-    token_budget: float
-    cost_model: Any = "padded"
-    shuffle: bool | None = None
-    seed: int | None = None
-    deterministic: bool | None = None
-    max_samples: int | None = None
-    buffer_size: int | None = None
-    max_steps_per_round: int | None = None
-    loss_normalization: str | None = None
-    label_shift: int | None = None
-    peer_timeout: float | None = None
-    cost_fn: Callable[[Any], Any] | None = None
-    lr_tokens: TokenScaling | None = None
-    loader_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def coerce(cls, value: ODBArguments | Mapping[str, Any] | None) -> ODBArguments:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, Mapping):
-            names = {f.name for f in dataclasses.fields(cls)} - {"loader_kwargs"}
-            extra = dict(value.get("loader_kwargs") or {})
-            extra.update({k: v for k, v in value.items() if k not in names | {"loader_kwargs"}})
-            known = {k: v for k, v in value.items() if k in names}
-            if "token_budget" not in known:
-                raise ConfigError("odb= needs token_budget (tokens per batch, under cost_model)")
-            return cls(**known, loader_kwargs=extra)
-        raise ConfigError(
-            "ODBHFTrainer needs odb=ODBArguments(token_budget=...) (or a dict of ODBDataLoader "
-            f"options); got {value!r}"
-        )
-
-    def loader_options(self) -> dict[str, Any]:
-        """The keyword arguments for `ODBDataLoader` (those left None omitted)."""
-        opts = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in _TRAINER_FIELDS and getattr(self, f.name) is not None
-        }
-        for key, value in self.loader_kwargs.items():
-            if key in opts:
-                raise ConfigError(f"odb option {key!r} given twice")
-            opts[key] = value
-        return check_options("ODBHFTrainer odb", opts, _OWNED, _warned)
 
 
 # ---- what the Trainer's loop iterates ----------------------------------------------------
@@ -237,7 +151,7 @@ class ODBHFTrainer(Trainer):
     def __init__(self, *args: Any, odb: ODBArguments | Mapping[str, Any], **kwargs: Any) -> None:
         check_transformers_version()
         self.odb_args = ODBArguments.coerce(odb)
-        self.odb_args.loader_options()  # owned keys fail here, not at train()
+        self.odb_args.loader_options(_warned)  # owned keys fail here, not at train()
         super().__init__(*args, **kwargs)
         self.odb_loader: ODBDataLoader | None = None
         self.odb_window_info: list[Any] = []
@@ -247,73 +161,15 @@ class ODBHFTrainer(Trainer):
         self._odb_schedule_steps: int | None = None
         self._odb_planned_updates: int | None = None  # state.max_steps, the planned total
         self._odb_target_epochs: int | None = None
-        self._check_args()
-        self._odb_options()
+        deepspeed = getattr(self, "is_deepspeed_enabled", False)
+        check_training_args(self.args, self.odb_args, deepspeed, _warned)
+        run_options(self.odb_args, self.args, self.train_dataset, self.model, _warned)  # checks
         self._check_train_dataset(self.train_dataset)
         # First in line: its on_step_end keeps state.max_steps ahead of global_step
         # before DefaultFlowCallback would stop training there.
         self.callback_handler.callbacks.insert(0, _ODBCallback(self))
 
     # ---- checks --------------------------------------------------------------------------
-
-    def _check_args(self) -> None:
-        args = self.args
-        if args.dataloader_drop_last:
-            raise ConfigError(
-                "TrainingArguments(dataloader_drop_last=True) would drop samples; ODBHFTrainer "
-                "trains every sample of an epoch exactly once: set dataloader_drop_last=False"
-            )
-        if args.auto_find_batch_size:
-            raise ConfigError(
-                "auto_find_batch_size=True retries with smaller per-device batch sizes, which "
-                "ODBHFTrainer does not use: set auto_find_batch_size=False and lower "
-                "odb token_budget instead"
-            )
-        if getattr(self, "is_deepspeed_enabled", False):
-            raise ConfigError(
-                "DeepSpeed counts gradient accumulation micro-steps in its own engine, which "
-                "ODBHFTrainer's windows (the epoch's last one shorter) do not fit; use DDP or FSDP"
-            )
-        if args.n_gpu > 1:
-            raise ConfigError(
-                f"{args.n_gpu} GPUs in one process (torch DataParallel): ODB aligns one "
-                "process per device; launch one process per GPU (torchrun) for DDP or FSDP"
-            )
-        if args.max_steps <= 0:
-            self._whole_epochs(args.num_train_epochs)
-        elif self.odb_args.lr_tokens is not None:
-            raise ConfigError(
-                f"odb lr_tokens with max_steps={args.max_steps}: the token-aware rate rides "
-                "on the progress-driven schedule of an epoch run; set num_train_epochs and "
-                "max_steps=-1"
-            )
-        default = TrainingArguments.__dataclass_fields__["per_device_train_batch_size"].default
-        if args.per_device_train_batch_size != default:
-            warn_once(
-                _warned,
-                "per_device_train_batch_size",
-                f"per_device_train_batch_size={args.per_device_train_batch_size} is ignored "
-                "by ODBHFTrainer: batches are sized by odb token_budget (cap the samples per "
-                "batch with odb max_samples=). Leave per_device_train_batch_size at its default.",
-            )
-        if args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
-            warn_once(
-                _warned,
-                "train_sampling_strategy",
-                f"train_sampling_strategy={args.train_sampling_strategy!r} is ignored by "
-                "ODBHFTrainer: the loader groups samples by cost itself (shuffle per epoch, or "
-                "train_sampling_strategy='sequential' for the dataset order)",
-            )
-
-    @staticmethod
-    def _whole_epochs(epochs: float) -> int:
-        if epochs < 1 or int(epochs) != epochs:
-            raise ConfigError(
-                f"num_train_epochs={epochs!r}: ODBHFTrainer runs whole epochs, each to its end "
-                "(an epoch's step count is decided online); give a whole number >= 1, or "
-                "max_steps= to stop after a number of optimizer steps"
-            )
-        return int(epochs)
 
     @staticmethod
     def _check_train_dataset(dataset: Any) -> None:
@@ -325,14 +181,6 @@ class ODBHFTrainer(Trainer):
             "as odb=ODBArguments(...)",
         )
 
-    def _odb_options(self) -> dict[str, Any]:
-        """The loader options, checked, with the Trainer's windows (G = 1 too: the
-        state fingerprint of checkpoints saved before)."""
-        accum = self.args.gradient_accumulation_steps
-        setting = "TrainingArguments(gradient_accumulation_steps)"
-        opts = trainer_windows(self.odb_args.loader_options(), accum, setting, _NO_TOKENS)
-        return {**opts, "grad_accum_steps": accum}
-
     # ---- the train dataloader ------------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:
@@ -343,23 +191,14 @@ class ODBHFTrainer(Trainer):
         self._check_train_dataset(self.train_dataset)
         self.close_odb_loader()
         args = self.args
-        opts = self._odb_options()
-        if not isinstance(self.train_dataset, IterableDataset):  # a stream has its own order
-            opts.setdefault("shuffle", args.train_sampling_strategy != "sequential")
-        opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
-        config = getattr(self.model, "config", None)
-        if "label_shift" not in opts and getattr(config, "is_encoder_decoder", False):
-            opts["label_shift"] = 0  # an encoder-decoder's loss does not shift its labels
         loader = ODBDataLoader(
             self.train_dataset,
             collate_fn=self._get_collator_with_removed_columns(self.data_collator, "training"),
-            pin_memory=bool(args.dataloader_pin_memory and torch.cuda.is_available()),
-            **{k: getattr(args, f"dataloader_{k}") for k in _WORKERS},
-            **opts,
+            **run_options(self.odb_args, args, self.train_dataset, self.model, _warned),
         )
         self.odb_loader = loader
         by_epochs = args.max_steps <= 0
-        self._odb_target_epochs = self._whole_epochs(args.num_train_epochs) if by_epochs else None
+        self._odb_target_epochs = whole_epochs(args.num_train_epochs) if by_epochs else None
         self._odb_batches = _TrainBatches(loader, self._odb_target_epochs)
         self._odb_saved = {}
         if self._odb_resume_dir is not None:
