@@ -20,7 +20,8 @@ the loader's (`loader.step_bound()` keeps the Trainer's per-epoch cap out of rea
 `get_batch_samples` hands the loop one loader window (a short one preceded by empty
 fill entries), `compute_loss` normalises by the window's loss tokens
 (`meta.loss_denominator`), and each checkpoint folder holds every rank's loader
-state (`odb_core.torch.checkpoint`, the format of every adapter).
+state (`odb_core.torch.checkpoint`, the format of every adapter). `ODBArguments` and
+the checks of the Trainer's arguments: `odb_core.integrations.hf_args`.
 """
 
 from __future__ import annotations
@@ -165,8 +166,8 @@ class ODBHFTrainer(Trainer):
         check_training_args(self.args, self.odb_args, deepspeed, _warned)
         run_options(self.odb_args, self.args, self.train_dataset, self.model, _warned)  # checks
         self._check_train_dataset(self.train_dataset)
-        # First in line: its on_step_end keeps state.max_steps ahead of global_step
-        # before DefaultFlowCallback would stop training there.
+        # First in line: its on_step_end keeps state.max_steps ahead of global_step, or
+        # at it on the run's last step, before DefaultFlowCallback reads it.
         self.callback_handler.callbacks.insert(0, _ODBCallback(self))
 
     # ---- checks --------------------------------------------------------------------------
