@@ -20,40 +20,39 @@ the loader's (`loader.step_bound()` keeps the Trainer's per-epoch cap out of rea
 `get_batch_samples` hands the loop one loader window (a short one preceded by empty
 fill entries), `compute_loss` normalises by the window's loss tokens
 (`meta.loss_denominator`), and each checkpoint folder holds every rank's loader
-state (`odb_core.torch.checkpoint`, the format of every adapter).
+state (`odb_core.torch.checkpoint`, the format of every adapter). `ODBArguments` and
+the checks of the Trainer's arguments: `odb_core.integrations.hf_args`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import transformers
-from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import (
-    PREFIX_CHECKPOINT_DIR,
-    IntervalStrategy,
-    SaveStrategy,
-    get_last_checkpoint,
-)
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
 from odb_core.integrations import versions
+from odb_core.integrations.hf_args import (
+    ODBArguments,
+    check_training_args,
+    run_options,
+    whole_epochs,
+)
 from odb_core.integrations.hf_lr import ClampedLR, progress_lr
-from odb_core.integrations.versions import deprecated_names, warn_once
+from odb_core.integrations.versions import deprecated_names
 from odb_core.progress import RunProgress
-from odb_core.schedule import TokenScaling
 from odb_core.torch import ODBDataLoader
-from odb_core.torch.adapter_options import check_dataset, check_options, trainer_windows
+from odb_core.torch.adapter_options import check_dataset
 from odb_core.torch.checkpoint import (
     STATES_FILE,
     gather_states,
@@ -63,12 +62,7 @@ from odb_core.torch.checkpoint import (
     write_json,
     write_states,
 )
-from odb_core.torch.meta import (
-    STEP_META_KEY,
-    pop_step_meta,
-    scaled_loss,
-    zero_if_unweighted,
-)
+from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, zero_if_unweighted
 from odb_core.torch.plan import updates_plan
 from odb_core.torch.windows import next_window
 
@@ -89,30 +83,7 @@ SUPPORTED_TRANSFORMERS = versions.GATES["transformers"].fallback
 #: The file each checkpoint folder gets beside the loader states (checkpoint.STATES_FILE).
 TRAINER_STATE = "odb_trainer.json"
 
-#: Why the loader's windows cannot close on loss tokens here (`trainer_windows`).
-_NO_TOKENS = (
-    "the HF Trainer steps the optimizer every gradient_accumulation_steps micro-batches, so "
-    "windows of a token count are not supported here; use gradient_accumulation_steps, or "
-    "the Accelerate adapter (odb_core.integrations.accelerate), which follows the loader's "
-    "windows"
-)
-#: ODBDataLoader arguments the trainer sets itself, and where to set them instead.
-#: The worker options, each from `TrainingArguments(dataloader_<option>=...)`.
-_WORKERS = ("num_workers", "persistent_workers", "prefetch_factor", "multiprocessing_context")
-_OWNED = {
-    "dataset": "pass train_dataset= to ODBHFTrainer",
-    "collate_fn": "pass data_collator= to ODBHFTrainer",
-    **{k: f"set TrainingArguments(dataloader_{k}=...)" for k in (*_WORKERS, "pin_memory")},
-}
-
-#: ODBArguments fields for the trainer, not the loader.
-_TRAINER_FIELDS = ("loader_kwargs", "lr_tokens")
-
 _warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    warn_once(_warned, key, message)
 
 
 #: Trainer members that are not public API it relies on (`versions.PRIVATE_MEMBERS`).
@@ -126,71 +97,6 @@ def check_transformers_version(version: str | None = None) -> bool:
 
 
 _OWNERS = {"Trainer": Trainer}  # ProgressCallback.training_bar is set per instance
-
-
-# ---- options -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ODBArguments:
-    """ODB's loader options for `ODBHFTrainer` (what `TrainingArguments` has no field for).
-
-    `cost_model` defaults to `"padded"` (the loader's default is `"packed"`): an HF
-    `data_collator` pads, and a padded batch costs rows x its longest row; pass
-    `"packed"` with a packing collator. `None` leaves the `ODBDataLoader` default,
-    except `shuffle` (default: True, or False with
-    `train_sampling_strategy="sequential"`), `seed` (default:
-    `data_seed`, else `seed`) and `label_shift` (0 for an encoder-decoder model).
-    Any other `ODBDataLoader` argument goes in `loader_kwargs` (or, with a dict,
-    as a plain key). The trainer sets `collate_fn` (`data_collator`),
-    `grad_accum_steps` (`gradient_accumulation_steps`; another value raises) and
-    the worker options (`dataloader_*`) itself.
-    """
-
-    token_budget: float
-    cost_model: Any = "padded"
-    shuffle: bool | None = None
-    seed: int | None = None
-    deterministic: bool | None = None
-    max_samples: int | None = None
-    buffer_size: int | None = None
-    max_steps_per_round: int | None = None
-    loss_normalization: str | None = None
-    label_shift: int | None = None
-    peer_timeout: float | None = None
-    cost_fn: Callable[[Any], Any] | None = None
-    lr_tokens: TokenScaling | None = None
-    loader_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def coerce(cls, value: ODBArguments | Mapping[str, Any] | None) -> ODBArguments:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, Mapping):
-            names = {f.name for f in dataclasses.fields(cls)} - {"loader_kwargs"}
-            extra = dict(value.get("loader_kwargs") or {})
-            extra.update({k: v for k, v in value.items() if k not in names | {"loader_kwargs"}})
-            known = {k: v for k, v in value.items() if k in names}
-            if "token_budget" not in known:
-                raise ConfigError("odb= needs token_budget (tokens per batch, under cost_model)")
-            return cls(**known, loader_kwargs=extra)
-        raise ConfigError(
-            "ODBHFTrainer needs odb=ODBArguments(token_budget=...) (or a dict of ODBDataLoader "
-            f"options); got {value!r}"
-        )
-
-    def loader_options(self) -> dict[str, Any]:
-        """The keyword arguments for `ODBDataLoader` (those left None omitted)."""
-        opts = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in _TRAINER_FIELDS and getattr(self, f.name) is not None
-        }
-        for key, value in self.loader_kwargs.items():
-            if key in opts:
-                raise ConfigError(f"odb option {key!r} given twice")
-            opts[key] = value
-        return check_options("ODBHFTrainer odb", opts, _OWNED, _warned)
 
 
 # ---- what the Trainer's loop iterates ----------------------------------------------------
@@ -246,7 +152,7 @@ class ODBHFTrainer(Trainer):
     def __init__(self, *args: Any, odb: ODBArguments | Mapping[str, Any], **kwargs: Any) -> None:
         check_transformers_version()
         self.odb_args = ODBArguments.coerce(odb)
-        self.odb_args.loader_options()  # owned keys fail here, not at train()
+        self.odb_args.loader_options(_warned)  # owned keys fail here, not at train()
         super().__init__(*args, **kwargs)
         self.odb_loader: ODBDataLoader | None = None
         self.odb_window_info: list[Any] = []
@@ -256,71 +162,15 @@ class ODBHFTrainer(Trainer):
         self._odb_schedule_steps: int | None = None
         self._odb_planned_updates: int | None = None  # state.max_steps, the planned total
         self._odb_target_epochs: int | None = None
-        self._check_args()
-        self._odb_options()
+        deepspeed = getattr(self, "is_deepspeed_enabled", False)
+        check_training_args(self.args, self.odb_args, deepspeed, _warned)
+        run_options(self.odb_args, self.args, self.train_dataset, self.model, _warned)  # checks
         self._check_train_dataset(self.train_dataset)
-        # First in line: its on_step_end keeps state.max_steps ahead of global_step
-        # before DefaultFlowCallback would stop training there.
+        # First in line: its on_step_end keeps state.max_steps ahead of global_step, or
+        # at it on the run's last step, before DefaultFlowCallback reads it.
         self.callback_handler.callbacks.insert(0, _ODBCallback(self))
 
     # ---- checks --------------------------------------------------------------------------
-
-    def _check_args(self) -> None:
-        args = self.args
-        if args.dataloader_drop_last:
-            raise ConfigError(
-                "TrainingArguments(dataloader_drop_last=True) would drop samples; ODBHFTrainer "
-                "trains every sample of an epoch exactly once: set dataloader_drop_last=False"
-            )
-        if args.auto_find_batch_size:
-            raise ConfigError(
-                "auto_find_batch_size=True retries with smaller per-device batch sizes, which "
-                "ODBHFTrainer does not use: set auto_find_batch_size=False and lower "
-                "odb token_budget instead"
-            )
-        if getattr(self, "is_deepspeed_enabled", False):
-            raise ConfigError(
-                "DeepSpeed counts gradient accumulation micro-steps in its own engine, which "
-                "ODBHFTrainer's windows (the epoch's last one shorter) do not fit; use DDP or FSDP"
-            )
-        if args.n_gpu > 1:
-            raise ConfigError(
-                f"{args.n_gpu} GPUs in one process (torch DataParallel): ODB aligns one "
-                "process per device; launch one process per GPU (torchrun) for DDP or FSDP"
-            )
-        if args.max_steps <= 0:
-            self._whole_epochs(args.num_train_epochs)
-        elif self.odb_args.lr_tokens is not None:
-            raise ConfigError(
-                f"odb lr_tokens with max_steps={args.max_steps}: the token-aware rate rides "
-                "on the progress-driven schedule of an epoch run; set num_train_epochs and "
-                "max_steps=-1"
-            )
-        default = TrainingArguments.__dataclass_fields__["per_device_train_batch_size"].default
-        if args.per_device_train_batch_size != default:
-            _warn_once(
-                "per_device_train_batch_size",
-                f"per_device_train_batch_size={args.per_device_train_batch_size} is ignored "
-                "by ODBHFTrainer: batches are sized by odb token_budget (cap the samples per "
-                "batch with odb max_samples=). Leave per_device_train_batch_size at its default.",
-            )
-        if args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
-            _warn_once(
-                "train_sampling_strategy",
-                f"train_sampling_strategy={args.train_sampling_strategy!r} is ignored by "
-                "ODBHFTrainer: the loader groups samples by cost itself (shuffle per epoch, or "
-                "train_sampling_strategy='sequential' for the dataset order)",
-            )
-
-    @staticmethod
-    def _whole_epochs(epochs: float) -> int:
-        if epochs < 1 or int(epochs) != epochs:
-            raise ConfigError(
-                f"num_train_epochs={epochs!r}: ODBHFTrainer runs whole epochs, each to its end "
-                "(an epoch's step count is decided online); give a whole number >= 1, or "
-                "max_steps= to stop after a number of optimizer steps"
-            )
-        return int(epochs)
 
     @staticmethod
     def _check_train_dataset(dataset: Any) -> None:
@@ -332,14 +182,6 @@ class ODBHFTrainer(Trainer):
             "as odb=ODBArguments(...)",
         )
 
-    def _odb_options(self) -> dict[str, Any]:
-        """The loader options, checked, with the Trainer's windows (G = 1 too: the
-        state fingerprint of checkpoints saved before)."""
-        accum = self.args.gradient_accumulation_steps
-        setting = "TrainingArguments(gradient_accumulation_steps)"
-        opts = trainer_windows(self.odb_args.loader_options(), accum, setting, _NO_TOKENS)
-        return {**opts, "grad_accum_steps": accum}
-
     # ---- the train dataloader ------------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:
@@ -350,23 +192,14 @@ class ODBHFTrainer(Trainer):
         self._check_train_dataset(self.train_dataset)
         self.close_odb_loader()
         args = self.args
-        opts = self._odb_options()
-        if not isinstance(self.train_dataset, IterableDataset):  # a stream has its own order
-            opts.setdefault("shuffle", args.train_sampling_strategy != "sequential")
-        opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
-        config = getattr(self.model, "config", None)
-        if "label_shift" not in opts and getattr(config, "is_encoder_decoder", False):
-            opts["label_shift"] = 0  # an encoder-decoder's loss does not shift its labels
         loader = ODBDataLoader(
             self.train_dataset,
             collate_fn=self._get_collator_with_removed_columns(self.data_collator, "training"),
-            pin_memory=bool(args.dataloader_pin_memory and torch.cuda.is_available()),
-            **{k: getattr(args, f"dataloader_{k}") for k in _WORKERS},
-            **opts,
+            **run_options(self.odb_args, args, self.train_dataset, self.model, _warned),
         )
         self.odb_loader = loader
         by_epochs = args.max_steps <= 0
-        self._odb_target_epochs = self._whole_epochs(args.num_train_epochs) if by_epochs else None
+        self._odb_target_epochs = whole_epochs(args.num_train_epochs) if by_epochs else None
         self._odb_batches = _TrainBatches(loader, self._odb_target_epochs)
         self._odb_saved = {}
         if self._odb_resume_dir is not None:
@@ -478,28 +311,13 @@ class ODBHFTrainer(Trainer):
         return fill + window, None
 
     def _epoch_ended(self, progress: RunProgress) -> None:
-        control, args, state = self.control, self.args, self.state
+        state = self.state
         state.epoch = progress.epochs_run
-        control.should_epoch_stop = True
+        self.control.should_epoch_stop = True
         target = self._odb_target_epochs
-        if target is None or progress.epochs_done < target:
-            return
-        control.should_training_stop = True
-        state.max_steps = step = state.global_step  # the plan was an estimate; this is the run
-        # What DefaultFlowCallback does when global_step reaches max_steps.
-        if (
-            step > 0
-            and args.save_strategy == SaveStrategy.STEPS
-            and (not state.save_steps or step % state.save_steps)
-        ):
-            control.should_save = True
-        if (
-            step > 0
-            and args.eval_strategy == IntervalStrategy.STEPS
-            and step % state.eval_steps
-            and args.eval_delay <= step
-        ):
-            control.should_evaluate = True
+        if target is not None and progress.epochs_done >= target:  # none left (a resume)
+            self.control.should_training_stop = True
+            state.max_steps = state.global_step
 
     # ---- loss ----------------------------------------------------------------------------
 
@@ -631,20 +449,21 @@ class _ODBCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
-        if t._odb_target_epochs is not None and state.global_step >= state.max_steps:
-            # The run outlasts its planned total: the epochs, not the plan, end it.
-            state.max_steps = state.global_step + 1
-        if t.odb_loader is not None:
-            state.epoch = t.odb_loader.run_progress.epochs_run
-        for bar in self._bars():
-            if bar.total is not None and bar.total < state.max_steps:
+        loader, target = t.odb_loader, t._odb_target_epochs
+        if loader is not None:
+            state.epoch = loader.run_progress.epochs_run
+        if loader is not None and target is not None:
+            if loader.run_progress.epochs_done >= target:
+                # The window just trained closed the last epoch: this step is the run's
+                # last, and DefaultFlowCallback (after this one) ends the run there, with
+                # its final save and evaluation.
+                state.max_steps = state.global_step
+            elif state.global_step >= state.max_steps:
+                # The run outlasts its planned total: the epochs, not the plan, end it.
+                state.max_steps = state.global_step + 1
+        for bar in self._bars():  # the bar ends full, not at the estimate
+            if bar.total is not None and bar.total != state.max_steps:
                 bar.total = state.max_steps
-                bar.refresh()
-
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if control.should_training_stop:  # the bar ends full, not at the estimate
-            for bar in self._bars():
-                bar.total = bar.n
                 bar.refresh()
 
     def _bars(self) -> list[Any]:
