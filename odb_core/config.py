@@ -242,9 +242,11 @@ class ProtocolConfig:
     def target(self) -> int:
         """Dynamic sharding: samples (held + dealt, not yet emitted) each rank is
         topped up to per round: `assign.deal_target` of the configured target, the
-        plan's length and the world size (the configured target when static)."""
+        plan's length and the world size (the configured target when static or
+        without a plan yet: a loader's config before its epoch's plan; the initial
+        share is the same with either, `assign.deal_target`)."""
         t = self.configured_target
-        return deal_target(len(self.plan), self.world_size, t) if self.dynamic else t
+        return deal_target(len(self.plan), self.world_size, t) if self.dynamic and self.plan else t
 
     @property
     def accum_steps(self) -> int:
