@@ -45,6 +45,24 @@ class Contribution(Protocol):
     def held_work(self) -> int: ...
 
 
+def deal_target(plan_len: int, world: int, target: int) -> int:
+    """The samples each rank is topped up to per round, from the configured `target`
+    T (the window K unless set): T, but no more than the half split
+    `plan_len // (2 * world)` and no less than half of T.
+
+    Why the half split: the initial shares hold back at least half of the plan, to
+    be dealt by measured cost; a target above the initial share would deal most of
+    that half in the first round, to every rank at once, priced by the few costs
+    known then (docs/SIMULATOR.md, "Dynamic sharding"). With the target equal to
+    the initial share, every deal after the first replaces what the round's steps
+    took, and the held-back half goes out over the epoch. Why not under half of T:
+    a rank topped up to fewer samples than half a window rarely closes a batch
+    before it is starved, and rounds without steps wait for the slowest rank's
+    preprocessing. Quantities every rank knows; never the workload's costs.
+    """
+    return min(target, max(plan_len // (2 * world), -(-target // 2)))
+
+
 def initial_share(plan_len: int, world: int, target: int) -> int:
     """Ids each rank loads before its first round: `target`, but at most half of
     an even split, so at least half of the plan is dealt by measured cost."""

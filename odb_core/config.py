@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from odb_core.assign import deal_target
 from odb_core.cost import (
     AttentionAware,
     Budget,
@@ -138,8 +139,9 @@ class ProtocolConfig:
     """Dynamic sharding: the epoch's sample ids in the order they are dealt (the
     same tuple on every rank). Not part of `describe()`: it changes every epoch."""
     assign_target: int | None = None
-    """Dynamic sharding: the samples (held + assigned, not yet emitted) each rank is
-    topped up to every round; the window size `buffer_size` when not set."""
+    """Dynamic sharding: the configured target T, the window size `buffer_size` when
+    not set. The deal tops each rank up to `target`, which is T bounded by the
+    plan's half split (`assign.deal_target`)."""
     carried: frozenset[int] = frozenset()
     """Quota mode: the ids this pass took over from the last one's ledger (the
     same set on every rank); each rank forms them ahead of fresh samples
@@ -231,9 +233,20 @@ class ProtocolConfig:
         return self.sharding is Sharding.DYNAMIC
 
     @property
-    def target(self) -> int:
-        """Dynamic sharding: samples each rank is topped up to per round."""
+    def configured_target(self) -> int:
+        """Dynamic sharding: the target T as configured (`assign_target`, else the
+        window); the spec's constant `Target`."""
         return self.buffer_size if self.assign_target is None else self.assign_target
+
+    @property
+    def target(self) -> int:
+        """Dynamic sharding: samples (held + dealt, not yet emitted) each rank is
+        topped up to per round: `assign.deal_target` of the configured target, the
+        plan's length and the world size (the configured target when static or
+        without a plan yet: a loader's config before its epoch's plan; the initial
+        share is the same with either, `assign.deal_target`)."""
+        t = self.configured_target
+        return deal_target(len(self.plan), self.world_size, t) if self.dynamic and self.plan else t
 
     @property
     def accum_steps(self) -> int:

@@ -54,7 +54,7 @@ CONSTANTS
     TokensPerUpdate,\* close a window at TokensPerUpdate global loss tokens; 0 = by steps
     Dynamic,        \* TRUE: dynamic sharding (Sharding.DYNAMIC): ranks are dealt the Plan
     Plan,           \* the epoch's plan, a sequence of all ids (<<>> with static sharding)
-    Target,         \* dynamic sharding: samples a rank is topped up to per round
+    Target,         \* dynamic sharding: the configured target (DealTarget bounds it)
     Carried,        \* quota mode: ids this pass took over from the last one's ledger
     EarlyForm,      \* least partial window a rank may form early (FormEarly); 0 = never
     NoValue         \* model value: no contribution / empty inbox
@@ -216,8 +216,13 @@ Pos(i) == CHOOSE p \in 0 .. Len(Plan) - 1 : Plan[p + 1] = i
 \* The first id of S in plan order (dynamic deterministic mode reads in plan order).
 PlanFirst(S) == CHOOSE i \in S : \A j \in S : Pos(i) <= Pos(j)
 
-\* assign.initial_share / initial_slice / initial_cursor
-InitialShare == Max2(1, Min2(Target, Len(Plan) \div (2 * W)))
+\* assign.deal_target: what the deal tops each rank up to, the configured Target
+\* bounded by the half split Len(Plan) \div 2W and never under half of Target.
+DealTarget == Min2(Target, Max2(Len(Plan) \div (2 * W), (Target + 1) \div 2))
+
+\* assign.initial_share / initial_slice / initial_cursor (with ProtocolConfig.target,
+\* i.e. DealTarget; the same share as with Target)
+InitialShare == Max2(1, Min2(DealTarget, Len(Plan) \div (2 * W)))
 InitialSlice(r) ==
     PlanIds(Min2(r * InitialShare, Len(Plan)), Min2((r + 1) * InitialShare, Len(Plan)))
 InitialCursor == IF Dynamic THEN Min2(W * InitialShare, Len(Plan)) ELSE 0
@@ -236,7 +241,7 @@ DealLoop(out, est, unit, n) ==
 \* assign.deal: how many of the next plan ids each rank loads, from the gathered
 \* vectors g, the round's k steps and the planLeft ids not dealt yet.  A rank
 \* that offered nothing and is not final gets one first; then the ranks lack
-\* Target - count each, dealt one at a time to the least estimated held work
+\* DealTarget - count each, dealt one at a time to the least estimated held work
 \* (its known costs plus its unread ids priced at the gathered mean cost).
 Deal(g, k, planLeft) ==
     LET Later(r) == Min2(k, g[r].offered) + 1 .. g[r].offered
@@ -248,7 +253,7 @@ Deal(g, k, planLeft) ==
                     IF Hungry(r) /\ Cardinality({q \in 0 .. r - 1 : Hungry(q)}) < planLeft
                     THEN 1 ELSE 0]
         left == planLeft - SumOver(Ranks, out0)
-        want == SumOver(Ranks, [r \in Ranks |-> Max2(0, Target - Count(r) - out0[r])])
+        want == SumOver(Ranks, [r \in Ranks |-> Max2(0, DealTarget - Count(r) - out0[r])])
         hn == SumOver(Ranks, [r \in Ranks |-> HeldN(r)])
         hw == SumOver(Ranks, [r \in Ranks |-> Work(r)])
         plain == hn = 0 \/ hw = 0

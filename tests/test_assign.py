@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from odb_core.assign import deal, dynamic_bounds, initial_cursor, initial_share, initial_slice
+from odb_core.assign import (
+    deal,
+    deal_target,
+    dynamic_bounds,
+    initial_cursor,
+    initial_share,
+    initial_slice,
+)
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import Budget
 from odb_core.errors import ConfigError, ODBPeerError, ProtocolError
@@ -48,6 +55,31 @@ def test_initial_shares_leave_half_of_the_plan_to_the_deal() -> None:
     assert [initial_slice(r, 3, 4, 64) for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 3)]
     assert initial_cursor(3, 4, 64) == 3
     assert dynamic_bounds(10, 2, 2) == (10, 10 + 6 + 1)
+
+
+def test_the_deal_target_is_the_half_split_between_half_the_window_and_the_window() -> None:
+    # 20,000 ids, window 64: the half split (156, 39, 9 at 64, 256, 1,024 ranks)
+    # bounds the target, which never falls under half a window.
+    assert [deal_target(20_000, w, 64) for w in (8, 64, 256, 512, 1024)] == [64, 64, 39, 32, 32]
+    assert deal_target(3000, 32, 64) == 46
+    assert deal_target(7, 2, 2) == 1 and deal_target(6, 2, 3) == 2 and deal_target(6, 3, 1) == 1
+    for n in range(1, 200, 7):
+        for w in (1, 2, 3, 8, 64):
+            for t in (1, 2, 3, 8, 64):
+                d = deal_target(n, w, t)
+                assert -(-t // 2) <= d <= t
+                # The initial share is the one the configured target gives.
+                assert initial_share(n, w, d) == initial_share(n, w, t) <= d
+    dyn = ProtocolConfig(
+        world_size=32,
+        budget=Budget(4),
+        buffer_size=64,
+        sharding=Sharding.DYNAMIC,
+        plan=tuple(range(3000)),
+    )
+    assert dyn.configured_target == 64 and dyn.target == 46
+    static = ProtocolConfig(world_size=32, budget=Budget(4), buffer_size=64)
+    assert static.target == static.configured_target == 64
 
 
 def _dynamic(world: int = 2, n: int = 6, **kw: object) -> ProtocolConfig:

@@ -58,11 +58,14 @@ def test_a_deal_that_does_not_balance_is_caught() -> None:
 
 @pytest.mark.parametrize(
     ("costs", "world", "k", "m", "target"),
-    [((3, 1, 3, 3, 1, 2), 2, 3, 3, 3), ((3, 3, 4, 2, 1), 2, 3, 1, 3)],
+    # Configured target 5: the deal target (assign.deal_target) is 3 for these
+    # plans of 5-6 ids on 2 ranks.
+    [((3, 1, 3, 3, 1, 2), 2, 3, 3, 5), ((3, 3, 4, 2, 1), 2, 3, 1, 5)],
 )
 def test_without_the_premise_the_gap_can_be_two_rounds(
     costs: tuple[int, ...], world: int, k: int, m: int, target: int
 ) -> None:
     """Unequal costs: the deal prices unread ids at the gathered mean and batches
     pack several samples, so D3's argument does not apply (nor its bound)."""
+    assert _config(costs, world, k, m, target).protocol.target == 3
     assert dry_round_gap(_config(costs, world, k, m, target)) == 2

@@ -90,7 +90,7 @@ def spec_constants(cfg: ModelConfig) -> SpecConstants:
         "AccumSteps": str(p.accum_steps),
         "TokensPerUpdate": str(p.tokens_per_update or 0),
         "Dynamic": tla_value(p.dynamic),
-        "Target": str(p.target if p.dynamic else 0),
+        "Target": str(p.configured_target if p.dynamic else 0),
         "EarlyForm": str(p.early_form or 0),
         "NoValue": "NoValue",
     }
