@@ -38,8 +38,11 @@ check: lint typecheck fast
 # `make slow-tlc` runs those, and CI (.ci/run) runs it after `make test`.
 # Includes the fixed mutation regression (tests/test_oracle_overshoot.py,
 # tests/test_core_edges.py; docs/VERIFICATION.md); `make mutants` is the full run.
+# Two pytest-xdist workers, a group per module (tests/conftest.py): the process
+# tests wait on timers and peers much of the time, which the other worker fills.
+UNIT_JOBS ?= 2
 unit: $(STAMP)
-	$(VENV)/bin/pytest -m "not slow_tlc" --durations=15
+	$(VENV)/bin/pytest -n $(UNIT_JOBS) --dist loadgroup -m "not slow_tlc" --durations=15
 
 test: lint typecheck unit
 

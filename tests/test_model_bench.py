@@ -16,9 +16,11 @@ pytest.importorskip("transformers")
 from odb_core.bench import model_bench
 
 ODB = [sys.executable, "-c", "import sys; from odb_core.cli import main; sys.exit(main())"]
+# --timeout: the bench's limit on a run of its ranks, a hang guard here (tests/guards.py):
+# 50 s was reached under load (two pytest workers beside other jobs, load ~9).
 TINY = [
     "--model", "llama-tiny", "--samples", "48", "--max-len", "64", "--budget", "256",
-    "--repeats", "1", "--eval-samples", "4", "--workers", "0", "--timeout", "50",
+    "--repeats", "1", "--eval-samples", "4", "--workers", "0", "--timeout", str(HANG_GUARD_S),
 ]  # fmt: skip
 ROW_KEYS = {
     "samples_per_s", "samples_per_s_incl_precompute", "tokens_per_s", "padding",

@@ -396,7 +396,8 @@ def test_cli_reports_a_model_that_differs_from_its_pins(
     assert rc == 1 and "DIFFERS" in text and "distinct_states 393 != pinned 392" in text
 
 
-# The demo's TLC section runs once, beside a CPU hog: tests/test_demo_under_load.py.
+# The demo's TLC section runs once, on these results, and the liveness models run again
+# beside a CPU hog: tests/test_demo_under_load.py.
 
 
 def test_quota_mode_model_is_in_quota_mode() -> None:

@@ -8,6 +8,7 @@ and validates the recorded protocol trace against the model.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -258,6 +259,20 @@ def run_epoch_disagreement(rank: int, world: int, spec: dict[str, Any]) -> dict[
     return {"raised": None, "steps": steps, "epoch": loader.epoch}
 
 
+def run_cases(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Each case of spec["cases"] in turn on the same ranks: its function of this
+    module and its spec; what it returned, or what it raised (that case only)."""
+    out: dict[str, Any] = {}
+    for name, (fn, case) in spec["cases"].items():
+        try:
+            out[name] = {"ok": True, **globals()[fn](rank, world, case)}
+        except Exception as exc:
+            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        gc.collect()  # the case's loaders and their workers are gone before the next
+        torch.distributed.barrier()
+    return out
+
+
 # ---- the launcher and the checks -------------------------------------------------------
 
 
@@ -312,22 +327,141 @@ def assert_exactly_once(ids: list[int], expected: list[int]) -> None:
 # ---- tests -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def traced_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
-    """Two ranks, two forked workers each, random per-sample delays, shuffled."""
-    out = tmp_path_factory.mktemp("traced")
-    spec = {
-        "n": 150,
-        "delay": 0.004,
+START_METHODS = [("fork", 2), ("spawn", 1), ("forkserver", 1)]
+RESUME_SEEDS = [1, 2]
+
+
+def start_method_spec(method: str, workers: int) -> dict[str, Any]:
+    return {
+        "n": 90,
+        "delay": 0.002,
+        "epochs": 2,
         "loader": {
-            "num_workers": 2,
-            "multiprocessing_context": "fork",
+            "num_workers": workers,
+            "multiprocessing_context": method,
+            "persistent_workers": True,
             "shuffle": True,
-            "samples_per_fetch": 2,
-            "trace_dir": str(out / "trace"),
         },
     }
-    return ok_results(launch("run_epochs", 2, spec, out)), out / "trace"
+
+
+def quota_spec(threaded: bool) -> dict[str, Any]:
+    return {
+        "n": 160,
+        "epochs": 4,
+        "delay": 0.002,  # uneven arrival: the windows differ from run to run
+        "loader": {
+            "mode": "quota",
+            "quota": 110,
+            "shuffle": True,
+            "seed": 3,
+            "prefetch_thread": threaded,
+        },
+    }
+
+
+def resume_spec(seed: int, state_dir: Path) -> dict[str, Any]:
+    """Phase a at world 2: stop at a random step, save, resume in a fresh loader."""
+    rng = random.Random(seed)
+    return {
+        "n": 120,
+        "epoch": 1,
+        "state_dir": str(state_dir),
+        "delay": 0.001,
+        "stop_at": rng.randrange(1, 8),
+        "loader": {"num_workers": 1, "multiprocessing_context": "fork", "shuffle": True},
+    }
+
+
+WINDOWS_SPEC = {
+    # Uneven shards give pad steps; each config runs 2 epochs without set_epoch.
+    "n": 95,
+    "chat": True,
+    "delay": 0.0005,
+    "epochs": 2,
+    "shards": [list(range(0, 70)), list(range(70, 95))],
+    "loader": {"num_workers": 0, "max_steps_per_round": 2},
+    "configs": [{"grad_accum_steps": 3}, {"tokens_per_update": 150, "prefetch_thread": False}],
+}
+
+EXACT_RESUME_SPEC = {
+    "n": 110,
+    "chat": True,
+    "stop_at": 5,
+    "loader": {
+        "num_workers": 1,
+        "multiprocessing_context": "fork",
+        "shuffle": True,
+        "deterministic": True,
+        "grad_accum_steps": 2,
+        "max_steps_per_round": 2,
+    },
+}
+
+
+def two_rank_cases(out: Path) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The runs on two ranks that end well: case -> (function, spec)."""
+    for seed in RESUME_SEEDS:
+        (out / f"resume{seed}").mkdir()
+    return {
+        # two forked workers each, random per-sample delays, shuffled, traced
+        "traced": (
+            "run_epochs",
+            {
+                "n": 150,
+                "delay": 0.004,
+                "loader": {
+                    "num_workers": 2,
+                    "multiprocessing_context": "fork",
+                    "shuffle": True,
+                    "samples_per_fetch": 2,
+                    "trace_dir": str(out / "trace"),
+                },
+            },
+        ),
+        "uneven": (
+            "run_epochs",
+            {
+                "n": 160,
+                "delay": 0.001,
+                "shards": [list(range(0, 120)), list(range(120, 160))],
+                "loader": {"num_workers": 0, "prefetch_thread": False},  # inline protocol loop
+            },
+        ),
+        **{f"start-{m}": ("run_epochs", start_method_spec(m, w)) for m, w in START_METHODS},
+        **{f"quota-{t}": ("run_quota_epochs", quota_spec(t)) for t in (True, False)},
+        **{
+            f"resume{seed}": ("run_resume_phase_a", resume_spec(seed, out / f"resume{seed}"))
+            for seed in RESUME_SEEDS
+        },
+        "windows": ("run_windows", WINDOWS_SPEC),
+        "exact-resume": ("run_exact_resume", EXACT_RESUME_SPEC),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """One launch of two gloo ranks runs every case of `two_rank_cases` in turn
+    (`run_cases`), and each test checks its own case: the ranks start (spawn,
+    torch, gloo) once, not once a case. A case that raises fails its own test."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    spec = {"cases": two_rank_cases(out)}
+    return out, ok_results(launch("run_cases", 2, spec, out))
+
+
+def case(two_ranks: tuple[Path, list[dict[str, Any]]], name: str) -> list[dict[str, Any]]:
+    """Each rank's result of one case of the `two_ranks` launch."""
+    per_rank = [r[name] for r in two_ranks[1]]
+    for r, res in enumerate(per_rank):
+        assert res["ok"], f"rank {r} failed in case {name}: {res['error']}"
+    return per_rank
+
+
+@pytest.fixture(scope="module")
+def traced_run(
+    two_ranks: tuple[Path, list[dict[str, Any]]],
+) -> tuple[list[dict[str, Any]], Path]:
+    return case(two_ranks, "traced"), two_ranks[0] / "trace"
 
 
 def test_two_ranks_random_delays_align_and_cover_exactly_once(
@@ -360,11 +494,10 @@ def test_real_run_trace_validates_under_tlc(
     assert report.ok, report.reason
 
 
-def test_uneven_shards_three_to_one_pad_the_short_rank(tmp_path: Path) -> None:
-    shards = [list(range(0, 120)), list(range(120, 160))]
-    loader_kw = {"num_workers": 0, "prefetch_thread": False}  # inline protocol loop
-    spec = {"n": 160, "delay": 0.001, "shards": shards, "loader": loader_kw}
-    results = ok_results(launch("run_epochs", 2, spec, tmp_path))
+def test_uneven_shards_three_to_one_pad_the_short_rank(
+    two_ranks: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    results = case(two_ranks, "uneven")
     per_rank = [r["epochs"][0] for r in results]
     ids = check_aligned(per_rank, 2)
     assert_exactly_once(ids, list(range(160)))
@@ -372,22 +505,11 @@ def test_uneven_shards_three_to_one_pad_the_short_rank(tmp_path: Path) -> None:
     assert sum(row[1] for row in per_rank[0]) == 0
 
 
-@pytest.mark.parametrize(("method", "workers"), [("fork", 2), ("spawn", 1), ("forkserver", 1)])
+@pytest.mark.parametrize("method", [m for m, _ in START_METHODS])
 def test_start_methods_with_persistent_workers_over_two_epochs(
-    tmp_path: Path, method: str, workers: int
+    two_ranks: tuple[Path, list[dict[str, Any]]], method: str
 ) -> None:
-    spec = {
-        "n": 90,
-        "delay": 0.002,
-        "epochs": 2,
-        "loader": {
-            "num_workers": workers,
-            "multiprocessing_context": method,
-            "persistent_workers": True,
-            "shuffle": True,
-        },
-    }
-    results = ok_results(launch("run_epochs", 2, spec, tmp_path))
+    results = case(two_ranks, f"start-{method}")
     orders = []
     for epoch in range(2):
         per_rank = [r["epochs"][epoch] for r in results]
@@ -409,17 +531,16 @@ def test_iterable_dataset_sharded_by_rank_and_worker(tmp_path: Path) -> None:
     assert_exactly_once(ids, list(range(100)))
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_resume_at_a_random_step_same_and_other_world_size(tmp_path: Path, seed: int) -> None:
-    rng = random.Random(seed)
+@pytest.mark.parametrize("seed", RESUME_SEEDS)
+def test_resume_at_a_random_step_same_and_other_world_size(
+    two_ranks: tuple[Path, list[dict[str, Any]]], tmp_path: Path, seed: int
+) -> None:
+    """Phase a (two ranks) is a case of `two_ranks`; phase b resumes its saved
+    states on three ranks."""
     n = 120
-    common = {"n": n, "epoch": 1, "state_dir": str(tmp_path), "delay": 0.001}
-    spec_a = {
-        **common,
-        "stop_at": rng.randrange(1, 8),
-        "loader": {"num_workers": 1, "multiprocessing_context": "fork", "shuffle": True},
-    }
-    a = ok_results(launch("run_resume_phase_a", 2, spec_a, tmp_path / "a"))
+    a = case(two_ranks, f"resume{seed}")
+    spec_a = resume_spec(seed, two_ranks[0] / f"resume{seed}")
+    common = {k: spec_a[k] for k in ("n", "epoch", "state_dir", "delay")}
     before = check_aligned([r["before"] for r in a], 2)
     after_same = check_aligned([r["after"] for r in a], 2)
     assert_exactly_once(before + after_same, list(range(n)))
@@ -433,22 +554,11 @@ def test_resume_at_a_random_step_same_and_other_world_size(tmp_path: Path, seed:
 
 @pytest.mark.parametrize("threaded", [True, False])
 def test_quota_mode_carries_every_unemitted_id_into_the_next_epoch(
-    tmp_path: Path, threaded: bool
+    two_ranks: tuple[Path, list[dict[str, Any]]], threaded: bool
 ) -> None:
-    n, quota, n_epochs = 160, 110, 4
-    spec = {
-        "n": n,
-        "epochs": n_epochs,
-        "delay": 0.002,  # uneven arrival: the windows differ from run to run
-        "loader": {
-            "mode": "quota",
-            "quota": quota,
-            "shuffle": True,
-            "seed": 3,
-            "prefetch_thread": threaded,
-        },
-    }
-    results = ok_results(launch("run_quota_epochs", 2, spec, tmp_path))
+    spec = quota_spec(threaded)
+    n, quota, n_epochs = spec["n"], spec["loader"]["quota"], spec["epochs"]
+    results = case(two_ranks, f"quota-{threaded}")
     previous: list[int] = []
     for e in range(n_epochs):
         per_rank = [r["epochs"][e] for r in results]
@@ -520,19 +630,11 @@ def check_windows(per_rank: list[list[list[Any]]], world: int) -> None:
         assert ends == list(range(len(windows)))
 
 
-def test_two_ranks_windows_pads_and_auto_epochs(tmp_path: Path) -> None:
-    # Uneven shards give pad steps; each config runs 2 epochs without set_epoch.
-    shards = [list(range(0, 70)), list(range(70, 95))]
-    spec = {
-        "n": 95,
-        "chat": True,
-        "delay": 0.0005,
-        "epochs": 2,
-        "shards": shards,
-        "loader": {"num_workers": 0, "max_steps_per_round": 2},
-        "configs": [{"grad_accum_steps": 3}, {"tokens_per_update": 150, "prefetch_thread": False}],
-    }
-    results = ok_results(launch("run_windows", 2, spec, tmp_path))
+def test_two_ranks_windows_pads_and_auto_epochs(
+    two_ranks: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    spec = WINDOWS_SPEC
+    results = case(two_ranks, "windows")
     for c, config in enumerate(spec["configs"]):
         for e in range(2):
             per_rank = [r["configs"][c][e][:-1] for r in results]
@@ -552,21 +654,10 @@ def test_two_ranks_windows_pads_and_auto_epochs(tmp_path: Path) -> None:
                     assert before_last < 150, "a tokens window stayed open past the threshold"
 
 
-def test_two_ranks_exact_deterministic_resume(tmp_path: Path) -> None:
-    spec = {
-        "n": 110,
-        "chat": True,
-        "stop_at": 5,
-        "loader": {
-            "num_workers": 1,
-            "multiprocessing_context": "fork",
-            "shuffle": True,
-            "deterministic": True,
-            "grad_accum_steps": 2,
-            "max_steps_per_round": 2,
-        },
-    }
-    results = ok_results(launch("run_exact_resume", 2, spec, tmp_path))
+def test_two_ranks_exact_deterministic_resume(
+    two_ranks: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    results = case(two_ranks, "exact-resume")
     for r, res in enumerate(results):
         whole, head, rest = res["whole"], res["head"], res["rest"]
         assert len(whole) > 8

@@ -69,9 +69,13 @@ def _steps(loader: ODBDataLoader, stop_at: int | None = None) -> list[list[Any]]
     return rows
 
 
-def run_epoch(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
-    loader = make_loader(spec)
-    return {"steps": _steps(loader)}
+def run_epochs(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One epoch for each sharding of spec["shardings"], in turn on the same ranks."""
+    out = {}
+    for sharding in spec["shardings"]:
+        out[sharding] = _steps(make_loader({**spec, "sharding": sharding}))
+        torch.distributed.barrier()
+    return out
 
 
 def run_phase_a(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -107,9 +111,12 @@ def tail(per_rank: list[list[list[Any]]]) -> tuple[int, float]:
 
 
 def test_dynamic_sharding_balances_a_skewed_split_on_four_gloo_ranks(tmp_path: Path) -> None:
-    runs = {
-        sh: _launch("run_epoch", 4, {"sharding": sh}, tmp_path / sh) for sh in ("static", "dynamic")
-    }
+    """Static, then dynamic, each a loader of its own, in one launch of 4 ranks."""
+    shardings = ("static", "dynamic")
+    results = gloo_ranks.launch(f"{__name__}:run_epochs", 4, {"shardings": shardings}, tmp_path)
+    for r, res in enumerate(results):
+        assert res is not None and res["ok"], f"rank {r}: {res}"
+    runs = {sh: [res[sh] for res in results if res is not None] for sh in shardings}
     tails = {}
     for sh, per_rank in runs.items():
         ids = check_aligned([[row[:-1] for row in rows] for rows in per_rank], 4)

@@ -26,12 +26,14 @@ from odb_core.bench.launch import free_port
 SAMPLES, EVERY = 160, 4
 
 
-def elastic_flags(last_call_s: int) -> list[str]:
+def elastic_flags(last_call_s: int, keep_alive: str = "") -> list[str]:
     """One node of an elastic group of 1 or 2, one restart; the rendezvous closes
-    `last_call_s` after the minimum of nodes is there."""
+    `last_call_s` after the minimum of nodes is there; `keep_alive`: extra
+    rendezvous settings for the heartbeats."""
+    conf = f"last_call_timeout={last_call_s},join_timeout=60{keep_alive}"
     return [
         "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1", "--monitor-interval=0.2",
-        f"--rdzv-conf=last_call_timeout={last_call_s},join_timeout=60",
+        f"--rdzv-conf={conf}",
     ]  # fmt: skip
 
 
@@ -76,9 +78,14 @@ def test_elastic_size_a_node_leaves_and_the_loader_resumes_at_world_one(tmp_path
     """--nnodes=1:2: nodes A and B train at world 2; B is kill -9'd (its torchrun and
     worker). A's worker fails on the lost peer, torchrun restarts it, the rendezvous
     closes with A alone, and it resumes at world 1 from the last complete checkpoint
-    (both old ranks' states): every id once, but for the replay since it."""
-    flags = elastic_flags(last_call_s=5)
+    (both old ranks' states): every id once, but for the replay since it.
+
+    The rendezvous drops B once it missed its heartbeats: one a second, five
+    missed (torch's default, 5 s x 3, made this test wait 15 s). The steps sleep
+    until A resumed alone (B must be killed mid-epoch), not after."""
+    flags = elastic_flags(5, keep_alive=",keep_alive_interval=1,keep_alive_max_attempt=5")
     args = ["--samples", str(SAMPLES), "--every", str(EVERY), "--step-sleep", "0.5"]
+    args += ["--sleep-until-shrunk"]
     port = free_port()
     a = start(tmp_path, 0, flags, port, args, share_store=False)
     b = None

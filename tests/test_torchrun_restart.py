@@ -37,8 +37,11 @@ def test_survivors_name_the_killed_rank_first(tmp_path: Path) -> None:
     ODBPeerError and both lead with rank 2, though one of them may also hear of
     the failure relayed by the other."""
     flags = ["--nnodes=1", "--nproc_per_node=3", "--max-restarts=0"]
-    # no checkpoints (a barrier there would fail in gloo, not in the loader)
-    args = ["--samples", str(SAMPLES), "--every", "1000", "--kill-rank", "2", "--kill-step", "5"]
+    # no checkpoints (a barrier there would fail in gloo, not in the loader); 480
+    # samples, so that rounds are left to gather after step 5 even when the ranks'
+    # prefetch threads ran ROUNDS_AHEAD ahead (with 120, under load, ranks 0 and 1
+    # had every round and failed in the final barrier, in gloo)
+    args = ["--samples", "480", "--every", "1000", "--kill-rank", "2", "--kill-step", "5"]
     args += ["--ignore-sigterm"]  # seen: torchrun's SIGTERM reached rank 0 before the failure did
     codes = launch(tmp_path, [flags], worker=args)
     assert codes != [0], "a rank was killed: torchrun must fail"

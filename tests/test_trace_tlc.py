@@ -4,6 +4,7 @@ into a Trace module and replayed through spec/DGAP.tla; corrupted ones are rejec
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import replace
@@ -125,20 +126,34 @@ CORRUPTIONS: dict[str, Callable[[ProtocolTrace], None]] = {
 }
 
 
+def corruption_base(corruption: str) -> tuple[str, int]:
+    """The recorded run (model, seed) that `corruption` is applied to."""
+    if corruption in ("loss-tokens", "window-boundary"):
+        return "MCjoin_w3_n6_k1_t3", 5
+    if corruption == "pad-as-real":  # the first seed whose run has a pad step
+        return "MCbounds_w2_n5_k1", next(
+            s
+            for s in range(20)
+            for t in [recorded("MCbounds_w2_n5_k1", s)]
+            if any(None in e.get("steps", ()) for rt in t.ranks for e in rt.events)
+        )
+    return "MCjoin_w3_n6_k1", 5
+
+
+@functools.cache
+def tlc_accepts(name: str, seed: int) -> bool:
+    """TLC's verdict on an uncorrupted recorded run, once per run (several
+    corruptions start from the same one)."""
+    return validate_trace_tlc(recorded(name, seed)).ok
+
+
 @pytest.mark.tlc
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_corrupted_traces_are_rejected(corruption: str) -> None:
     require_tlc()
-    trace = recorded("MCjoin_w3_n6_k1", 5)
-    if corruption in ("loss-tokens", "window-boundary"):
-        trace = recorded("MCjoin_w3_n6_k1_t3", 5)
-    if corruption == "pad-as-real":
-        trace = next(
-            t
-            for t in (recorded("MCbounds_w2_n5_k1", s) for s in range(20))
-            if any(None in e.get("steps", ()) for rt in t.ranks for e in rt.events)
-        )
-    assert validate_trace_tlc(trace).ok
+    name, seed = corruption_base(corruption)
+    assert tlc_accepts(name, seed)
+    trace = recorded(name, seed)
     bad = copy.deepcopy(trace)
     CORRUPTIONS[corruption](bad)
     report = validate_trace_tlc(bad)
@@ -235,14 +250,7 @@ def test_python_validator_rejects_an_unknown_emitted_id() -> None:
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_corrupted_traces_are_rejected_by_the_python_replay(corruption: str) -> None:
-    name = "MCjoin_w3_n6_k1_t3" if corruption in ("loss-tokens", "window-boundary") else None
-    trace = recorded(name or "MCjoin_w3_n6_k1", 5)
-    if corruption == "pad-as-real":
-        trace = next(
-            t
-            for t in (recorded("MCbounds_w2_n5_k1", s) for s in range(20))
-            if any(None in e.get("steps", ()) for rt in t.ranks for e in rt.events)
-        )
+    trace = recorded(*corruption_base(corruption))
     assert validate_trace(trace).ok
     bad = copy.deepcopy(trace)
     CORRUPTIONS[corruption](bad)

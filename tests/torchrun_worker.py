@@ -34,6 +34,9 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    # A test that needs the group slow only until a node leaves: no sleep once the
+    # group resumed at a smaller world size than the checkpoint's.
+    p.add_argument("--sleep-until-shrunk", action="store_true")
     # torchrun SIGTERMs the other workers as soon as its monitor sees one die, which
     # can come before a survivor has heard of the failure and said whom it blames:
     # a test of what survivors report ignores SIGTERM (torchrun SIGKILLs after 30 s).
@@ -55,6 +58,8 @@ def main() -> None:
         files = sorted(Path(d).glob("rank*.json"))
         states = [json.loads(f.read_text()) for f in files]
         loader.load_state_dict(states)
+        if a.sleep_until_shrunk and len(states) > world:
+            a.step_sleep = 0.0
     # one log per incarnation of the group: a failure restart bumps `attempt`, a
     # node joining or leaving (--nnodes=MIN:MAX) changes `world`
     tag = f"{a.out}/log.{attempt}-{world}.r{rank}"
