@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from test_tlc import BY_NAME, require_tlc
+from test_trace_tlc import cli_accepts_per_rank_files
 
 from odb_core.cli import main
 from odb_core.config import ProtocolConfig
@@ -294,14 +295,7 @@ def test_cli_checks_per_rank_files_of_a_dynamic_run(
 ) -> None:
     require_tlc()
     trace = record_random_trace(core_config(), 2)
-    files = []
-    for rt in trace.ranks:
-        path = tmp_path / f"rank{rt.rank}.json"
-        ProtocolTrace(trace.protocol, [rt]).save(path)
-        files.append(str(path))
-    assert main(["check", "--trace", *files, "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["ok"] and out["python"]["ok"] and out["tlc"]["ok"]
+    cli_accepts_per_rank_files(trace, tmp_path, capsys)
     bad, _, _ = observes_undealt()
     bad.save(tmp_path / "bad.json")
     assert main(["check", "--trace", str(tmp_path / "bad.json")]) == 1

@@ -162,12 +162,10 @@ def test_corrupted_traces_are_rejected(corruption: str) -> None:
     assert not validate_trace(bad).ok, "the Python replay rejects it too"
 
 
-@pytest.mark.tlc
-def test_cli_validates_per_rank_trace_files(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def cli_accepts_per_rank_files(
+    trace: ProtocolTrace, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    require_tlc()
-    trace = recorded("MCjoin_w3_n6_k1", 3)
+    """`odb check --trace` on one file per rank of `trace`: both engines accept it."""
     files = []
     for rt in trace.ranks:
         path = tmp_path / f"rank{rt.rank}.json"
@@ -176,6 +174,15 @@ def test_cli_validates_per_rank_trace_files(
     assert main(["check", "--trace", *files, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["python"]["ok"] and out["tlc"]["ok"]
+
+
+@pytest.mark.tlc
+def test_cli_validates_per_rank_trace_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require_tlc()
+    trace = recorded("MCjoin_w3_n6_k1", 3)
+    cli_accepts_per_rank_files(trace, tmp_path, capsys)
     bad = copy.deepcopy(trace)
     _bump_vector(bad)
     bad.save(tmp_path / "bad.json")
