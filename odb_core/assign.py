@@ -9,7 +9,8 @@ agree on who loads which id without a further collective, and no sample ever
 moves between ranks.
 
 The rule is longest-processing-time list scheduling with unknown job sizes: the
-round deals as many ids as the ranks lack to hold `target` samples each, one at
+round deals as many ids as the ranks lack to hold `target` samples each (but,
+in a round that runs steps, at most half of the plan left: `deal_cap`), one at
 a time, each to the rank whose held work (known costs of its window and ready
 batches, plus its unread ids priced at the gathered mean cost) is least, ties to
 the lower rank. A rank that holds expensive samples therefore gets fewer new
@@ -63,6 +64,26 @@ def deal_target(plan_len: int, world: int, target: int) -> int:
     return min(target, max(plan_len // (2 * world), -(-target // 2)))
 
 
+def deal_cap(plan_left: int, world: int, steps: int) -> int:
+    """The most ids one round may deal: half of the plan left, rounded up, once the
+    round runs steps and more than two ids a rank are left; else all of it.
+
+    Factoring (Hummel, Schonberg and Flynn, CACM 1992): with job sizes unknown
+    until run, hand out half of the remaining work per batch, so that the last
+    batches are small. Here the cost of a dealt id is known only after its rank
+    has preprocessed it, so a deal is priced at the mean; the ids of the deal that
+    empties the plan are never corrected by a later one, and their misprice is
+    the spread of the ranks' finish. Halving makes that last deal at most 2W ids
+    (two a rank), and every earlier half is corrected by the costs observed before
+    the next. A round without steps waits on preprocessing anyway (a starved rank
+    offered nothing), so it deals all it wants: halving there only adds barriers
+    (docs/SIMULATOR.md, "Dynamic sharding").
+    """
+    if steps > 0 and plan_left > 2 * world:
+        return (plan_left + 1) // 2
+    return plan_left
+
+
 def initial_share(plan_len: int, world: int, target: int) -> int:
     """Ids each rank loads before its first round: `target`, but at most half of
     an even split, so at least half of the plan is dealt by measured cost."""
@@ -91,7 +112,10 @@ def deal(
 
     `steps` is the round's agreed step count: batches a rank offered beyond it stay
     held. Pure and integer-only, so every rank computes the same tuple.
+
+    A round that runs steps deals at most half of the plan left (`deal_cap`).
     """
+    plan_left = deal_cap(plan_left, len(contributions), steps)
     counts: list[int] = []
     work: list[int] = []
     for c in contributions:

@@ -238,12 +238,18 @@ DealLoop(out, est, unit, n) ==
                     \A q \in Ranks : est[r] < est[q] \/ (est[r] = est[q] /\ r <= q)
          IN DealLoop([out EXCEPT ![r] = @ + 1], [est EXCEPT ![r] = @ + unit], unit, n - 1)
 
+\* assign.deal_cap: a round that runs steps deals at most half of the plan left
+\* (rounded up) while more than two ids a rank are left (factoring).
+DealCap(k, planLeft) ==
+    IF k > 0 /\ planLeft > 2 * W THEN (planLeft + 1) \div 2 ELSE planLeft
+
 \* assign.deal: how many of the next plan ids each rank loads, from the gathered
-\* vectors g, the round's k steps and the planLeft ids not dealt yet.  A rank
+\* vectors g, the round's k steps and the planLeft ids not dealt yet, of which
+\* it deals at most DealCap(k, planLeft) (DealUpTo below).  A rank
 \* that offered nothing and is not final gets one first; then the ranks lack
 \* DealTarget - count each, dealt one at a time to the least estimated held work
 \* (its known costs plus its unread ids priced at the gathered mean cost).
-Deal(g, k, planLeft) ==
+DealUpTo(g, k, planLeft) ==
     LET Later(r) == Min2(k, g[r].offered) + 1 .. g[r].offered
         HeldN(r) == g[r].held + SumOver(Later(r), g[r].samples)
         Count(r) == HeldN(r) + g[r].unread
@@ -262,6 +268,7 @@ Deal(g, k, planLeft) ==
                      [r \in Ranks |-> IF plain THEN Count(r) + out0[r]
                                       ELSE Work(r) * hn + (g[r].unread + out0[r]) * hw],
                      IF plain THEN 1 ELSE hw, Min2(left, want))
+Deal(g, k, planLeft) == DealUpTo(g, k, DealCap(k, planLeft))
 
 \* What rank r loads of deal a: its slice follows the lower ranks' slices.
 SliceStart(r, a) == cursor[r] + SumOver({q \in Ranks : q < r}, a)

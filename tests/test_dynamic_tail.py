@@ -11,7 +11,8 @@ import pytest
 
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import Budget
-from odb_core.verify.model import ModelConfig, dynamic_model, round_robin_shards
+from odb_core.protocol import decide_round
+from odb_core.verify.model import GlobalModel, ModelConfig, dynamic_model, round_robin_shards
 from odb_core.verify.tail import DealToFirst, dry_round_gap
 
 BUDGET = 4
@@ -69,3 +70,37 @@ def test_without_the_premise_the_gap_can_be_two_rounds(
     pack several samples, so D3's argument does not apply (nor its bound)."""
     assert _config(costs, world, k, m, target).protocol.target == 3
     assert dry_round_gap(_config(costs, world, k, m, target)) == 2
+
+
+def _reaches_a_capped_deal(cfg: ModelConfig) -> bool:
+    """Some reachable gathered round runs steps and deals half of the plan left
+    (`assign.deal_cap`), fewer ids than the ranks lack."""
+    model, p = GlobalModel(cfg), cfg.protocol
+    seen, stack = {model.init()}, [model.init()]
+    while stack:
+        s = stack.pop()
+        for r, g in enumerate(s.inbox):
+            if g is None:
+                continue
+            left = len(p.plan) - s.ranks[r].cursor
+            d = decide_round(
+                p.mode, p.quota, s.ranks[r].emitted, g, plan_left=left, target=p.target
+            )
+            lack = sum(max(0, p.target - c.held - c.unread) for c in g)
+            if d.steps and not d.done and sum(d.assigned) == (left + 1) // 2 < min(left, lack):
+                return True
+        for _, t in model.successors(s):
+            if t not in seen:
+                seen.add(t)
+                stack.append(t)
+    return False
+
+
+@pytest.mark.parametrize(("n", "m"), [(12, 2), (12, 3), (15, 2), (15, 3)])
+def test_the_bound_holds_where_the_deal_cap_halves_a_deal(n: int, m: int) -> None:
+    """GRID's plans are too short for the deal cap to bind (it needs more than 2W
+    ids left after a round with steps, and the ranks lacking more than half of
+    them); these plans (W = 2, K = T = 3) reach it, and the gap stays <= 1."""
+    cfg = _config((BUDGET,) * n, 2, 3, m, 3)
+    assert _reaches_a_capped_deal(cfg)
+    assert dry_round_gap(cfg) <= 1

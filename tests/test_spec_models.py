@@ -4,7 +4,9 @@ state graph (which tests/test_conformance.py shows equal to TLC's)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest import mock
 
+from odb_core import assign
 from odb_core.protocol import decide_round
 from odb_core.verify import tlc
 from odb_core.verify.model import GlobalModel, GlobalState, ModelConfig
@@ -112,3 +114,27 @@ def test_the_carry_model_is_the_second_pass_of_the_first() -> None:
         for s, action, r, _ in edges
     )
     assert mixed
+
+
+def _capped_deal(cfg: ModelConfig, s: GlobalState) -> bool:
+    """A gathered round that runs steps and deals half of the plan left (rounded
+    up), fewer ids than the ranks lack and fewer than are left."""
+    p = cfg.protocol
+    for r, g in enumerate(s.inbox):
+        if g is None:
+            continue
+        rs = s.ranks[r]
+        left = len(p.plan) - rs.cursor
+        d = decide_round(p.mode, p.quota, rs.emitted, g, plan_left=left, target=p.target)
+        lack = sum(max(0, p.target - c.held - c.unread) for c in g)
+        if d.steps and not d.done and sum(d.assigned) == (left + 1) // 2 < min(left, lack):
+            return True
+    return False
+
+
+def test_the_cap_model_deals_half_of_the_plan_left_in_a_round_with_steps() -> None:
+    cfg = BY_NAME["MCdynamic_w2_n9_k2_cap"].model_config()
+    assert any(_capped_deal(cfg, t) for _, _, _, t in _edges(cfg))
+    # The check fails without the cap: the same model then deals all the ranks lack.
+    with mock.patch.object(assign, "deal_cap", lambda left, world, steps: left):
+        assert not any(_capped_deal(cfg, t) for _, _, _, t in _edges(cfg))

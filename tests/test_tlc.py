@@ -112,7 +112,9 @@ def test_ok_models_check_everything_with_small_bounds() -> None:
     assert {m.world_size for m in ok} == {2, 3}
     assert {m.mode for m in ok} == {"join", "quota"}
     assert {m.buffer_size for m in ok} == {1, 2, 3, 4}
-    assert all(4 <= len(m.costs) <= 8 for m in ok)
+    # 9 ids only for the deal cap's model: the cap binds once more than 2W ids are
+    # left after a round with steps, past the initial shares of half the plan.
+    assert all(4 <= len(m.costs) <= (9 if m.name.endswith("_cap") else 8) for m in ok)
     assert sum(m.conformance for m in ok) >= 3
     for m in ok:
         assert set(m.check.invariants) >= set(tlc.SPEC_INVARIANTS)
