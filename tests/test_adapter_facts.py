@@ -172,8 +172,25 @@ def test_version_gate_raises_on_a_missing_member_and_warns_outside_the_range() -
         set_initial_training_values = get_batch_samples = loss_is_scaled_for_ga = None
         get_tp_size = _get_collator_with_removed_columns = None
 
+        def __init__(self) -> None:  # instance attributes count when the source sets them
+            self.callback_handler = self.control = self.accelerator = None
+            self.model_accepts_loss_kwargs: bool = False
+            self.lr_scheduler = None
+            self.label_smoother = None
+
+    class Plain:  # sets none of them
+        set_initial_training_values = get_batch_samples = loss_is_scaled_for_ga = None
+        get_tp_size = _get_collator_with_removed_columns = None
+
+        def __init__(self) -> None:
+            self.label_smoother_off = self.control == 1
+
     warned: set[str] = set()
     assert versions.gate("transformers", "5.24.0", {"Trainer": Trainer}, warned)
+    with pytest.raises(ConfigError, match=r"no Trainer\.callback_handler, Trainer\.control"):
+        versions.gate("transformers", "5.24.0", {"Trainer": Plain}, warned)
+    assert not versions.has_member(Plain, "label_smoother")  # another name, a comparison
+    assert versions.has_member(Trainer, "model_accepts_loss_kwargs")  # annotated
     with pytest.warns(UserWarning, match="outside the range"):
         assert not versions.gate("transformers", "5.30.0", {"Trainer": Trainer}, warned)
     del Trainer.get_batch_samples
