@@ -175,7 +175,7 @@ def test_version_gate_raises_on_a_missing_member_and_warns_outside_the_range() -
         def __init__(self) -> None:  # instance attributes count when the source sets them
             self.callback_handler = self.control = self.accelerator = None
             self.model_accepts_loss_kwargs: bool = False
-            self.lr_scheduler = None
+            self.optimizer, self.lr_scheduler = None, None  # a tuple counts too
             self.label_smoother = None
 
     class Plain:  # sets none of them

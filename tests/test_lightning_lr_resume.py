@@ -2,8 +2,8 @@
 
 Real gloo ranks (`gloo_ranks.launch`), CPU, a tiny model, SGD at a real rate. A
 2-rank fit of `max_epochs=2` (accumulate_grad_batches=2) under each schedule
-kind, uninterrupted and stopped at a checkpoint inside epoch 1, resumed on 1 and
-on 2 ranks:
+kind, uninterrupted and stopped at a checkpoint inside epoch 0 (after 2 of its 4
+updates), resumed on 1 and on 2 ranks:
 
 - `lambda`: the common user pattern, a linear `LambdaLR` to 0 sized from
   `trainer.estimated_stepping_batches` in `configure_optimizers`;
@@ -18,9 +18,11 @@ warnings. What is guaranteed:
 - at the same world size, a resume keeps the run's `estimated_stepping_batches`
   (saved in the checkpoint): the `LambdaLR` run is the uninterrupted one;
 - at another world size, `estimated_stepping_batches` is the updates done + the
-  loader's upper estimate of the updates left there, with a warning: a schedule
-  sized from it does not end before the run, does not jump up at the resume, and
-  (being an estimate) ends near, not on, the last update.
+  loader's upper estimate of the updates left there (`plan.updates_left`, checked
+  against a one-rank loader resumed from the checkpoint), with a warning naming
+  the figures: a schedule sized from it does not end before the run; its total
+  fixed when built, it changes length at the resume and, an estimate, ends near,
+  not on, the last update (as in an uninterrupted run).
 
 Broken variants, each caught: the old recompute (max_epochs x an epoch's upper
 estimate at the new world size, as if the run started there) and a replan at the
@@ -55,7 +57,7 @@ from odb_core.integrations.lightning import (  # noqa: E402
 )
 from odb_core.torch import ProgressLR, pop_step_meta, scaled_loss  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.torch, pytest.mark.procs, pytest.mark.slow]  # gloo ranks
 
 PEAK = 1e-2
 EPOCHS = 2

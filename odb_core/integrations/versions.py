@@ -182,15 +182,37 @@ def has_member(owner: object, name: str) -> bool:
 
 @functools.cache
 def _self_attributes(klass: type) -> frozenset[str]:
-    """The names the source of `klass` assigns on `self` (empty without a source)."""
+    """The names the source of `klass` assigns on `self` (`self.a = `, `self.a: T = `,
+    `self.a, self.b = `; empty without a source)."""
+    import ast
     import inspect
-    import re
+    import textwrap
 
     try:
-        source = inspect.getsource(klass)
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+    except (OSError, TypeError, SyntaxError):
         return frozenset()
-    return frozenset(re.findall(r"\bself\.(\w+)\s*(?::[^=\n]+)?=(?!=)", source))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        else:
+            continue
+        while targets:
+            t = targets.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                targets.extend(t.elts)
+            elif isinstance(t, ast.Starred):
+                targets.append(t.value)
+            elif (
+                isinstance(t, ast.Attribute)
+                and isinstance(t.value, ast.Name)
+                and t.value.id == "self"
+            ):
+                names.add(t.attr)
+    return frozenset(names)
 
 
 def gate(package: str, version: str, owners: Mapping[str, object], warned: set[str]) -> bool:
