@@ -266,7 +266,8 @@ def _report(name: str, run: dict[str, Any]) -> str:
 def check_same_world_size(first: dict[str, Any], resumed: dict[str, Any]) -> None:
     """A resume at the same world size is the uninterrupted run: same figure, same rates."""
     full, second = first["lambda/full"], resumed["lambda"]
-    assert second["estimate"] == full["estimate"], (second["estimate"], full["estimate"])
+    figure, run = second["estimate"], full["estimate"]
+    assert figure == run, f"the resumed figure {figure} is not the run's {run}"
     assert second["updates"] == full["updates"]
     assert second["lrs"] == pytest.approx(full["lrs"][STOP_AT:], rel=1e-12)
     assert second["final_lr"] == pytest.approx(full["final_lr"], rel=1e-12)
@@ -302,6 +303,14 @@ def check_another_world_size(first: dict[str, Any], resumed: dict[str, Any]) -> 
     assert stated in warning and "ProgressLR" in warning, warning
 
 
+def check_ends_on_the_last_update(before: dict[str, Any], second: dict[str, Any]) -> None:
+    """The resumed run continues at the checkpoint's rate and its schedule is at its
+    final value (0) right after its last update."""
+    assert len(second["lrs"]) == second["updates"] - STOP_AT
+    assert second["lrs"][0] == pytest.approx(before["final_lr"], rel=1e-12)
+    assert second["final_lr"] == 0.0, f"the schedule ends at {second['final_lr']}, not 0"
+
+
 def test_progress_lr_ends_on_the_last_update(
     first: dict[str, Any], resumed: dict[int, Any]
 ) -> None:
@@ -312,12 +321,12 @@ def test_progress_lr_ends_on_the_last_update(
     for world, runs in resumed.items():
         second = runs["progress"]
         print(_report(f"progress, resumed on {world} rank(s)", second))
-        assert len(second["lrs"]) == second["updates"] - STOP_AT
-        assert second["final_lr"] == 0.0, "ProgressLR did not end on the last update"
-        assert second["lrs"][0] == pytest.approx(before["final_lr"], rel=1e-12)
+        check_ends_on_the_last_update(before, second)
         rates = before["lrs"] + second["lrs"]
         assert all(a > b > 0 for a, b in itertools.pairwise(rates)), rates
-        assert second["warnings"] == []  # the figure is replanned, but not for ProgressLR's sake
+        # the broken variant: a schedule sized from the step estimate, the same runs
+        with pytest.raises(AssertionError, match="the schedule ends at"):
+            check_ends_on_the_last_update(first["lambda/first"], runs["lambda"])
     assert resumed[2]["progress"]["lrs"] == pytest.approx(full["lrs"][STOP_AT:], rel=1e-12)
     assert resumed[1]["progress"]["updates"] > full["updates"]  # one rank: more, smaller updates
 
@@ -341,6 +350,9 @@ def test_a_broken_resumed_figure_is_caught(
     runs = _resume(first, world, tmp_path, ("lambda",), broken)
     print()
     print(_report(f"LambdaLR, resumed on {world} rank(s), broken ({broken})", runs["lambda"]))
-    check = check_another_world_size if world == 1 else check_same_world_size
-    with pytest.raises(AssertionError):
-        check(first, runs)
+    if world == 1:
+        with pytest.raises(AssertionError, match=r"estimate \d+, not 2 done \+ \d+ left"):
+            check_another_world_size(first, runs)
+    else:
+        with pytest.raises(AssertionError, match=r"the resumed figure \d+ is not the run's \d+"):
+            check_same_world_size(first, runs)

@@ -130,7 +130,10 @@ class ODBDataModule(pl.LightningDataModule):
     and a `DataLoader` in place of the dataset are rejected.
 
     `loader` is the `ODBDataLoader` (built on first access). The DataModule's
-    `state_dict()` holds every rank's loader state for Lightning's checkpoint.
+    `state_dict()` holds every rank's loader state for Lightning's checkpoint, and
+    the run's plan of updates (`PLAN_KEY`: what `estimated_stepping_batches`
+    reported, at which world size, and the updates done), which a resume keeps at
+    the same world size and replans at another.
     """
 
     def __init__(self, dataset: Any, *, collate_fn: Any = None, **loader_options: Any) -> None:
