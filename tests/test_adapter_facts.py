@@ -1,11 +1,13 @@
 """The facts and checks the trainer adapters (`odb_core.integrations`) moved below
 them: whole and fractional epochs done (`RunProgress`), the loader's windows set
 to a trainer's (`trainer_windows`), a plan's samples per update and log line,
-a trainer's own checkpoint file (`write_json` / `read_json`), and one version
+the updates a run has left from the loader's position (`updates_left`), a
+trainer's own checkpoint file (`write_json` / `read_json`), and one version
 gate per trainer library (`versions.gate`). Fast: no trainer library, no ranks."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -112,6 +114,43 @@ def test_plan_states_the_samples_an_update_takes() -> None:
         assert f"estimated at {steps} steps" in text and f"({plan.epoch_cap} per epoch)" in text
 
 
+# ---- the updates a run has left, from the loader's position -------------------------------
+
+
+def test_updates_left_counts_from_the_loaders_position() -> None:
+    pytest.importorskip("torch")
+    from odb_core import ODBDataLoader
+    from odb_core.torch.plan import updates_left, updates_plan
+
+    def loader() -> Any:
+        return ODBDataLoader(
+            Rows(60), token_budget=64, buffer_size=8, collate_fn=collate, grad_accum_steps=2
+        )
+
+    dl = loader()
+    plan = updates_plan(dl, 3)
+    assert plan is not None
+    per_epoch = plan.upper // 3
+    assert updates_left(dl, 3) == plan.upper  # a fresh run: the whole plan
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ConfigError, match=rf"epochs={bad!r} must be a positive integer"):
+            updates_left(dl, bad)  # type: ignore[arg-type]
+    lefts, states = [], []
+    for _ in dl:
+        info = dl.step_info
+        if info is not None and info.sync_gradients:  # a window boundary: a checkpoint's
+            lefts.append(updates_left(dl, 3))
+            states.append(dl.state_dict())
+    # the current epoch's part shrinks with the samples consumed, then two whole epochs
+    assert all(a >= b for a, b in itertools.pairwise(lefts)) and lefts[-2] < lefts[0], lefts
+    assert lefts[0] <= plan.upper and lefts[-2] > lefts[-1] == 2 * per_epoch, lefts
+    assert dl.epoch_closed
+    assert updates_left(dl, 1) == 0  # the run's epochs are done
+    resumed = loader()
+    resumed.load_state_dict(states[1])  # a loaded state, not iterated yet, is the position
+    assert updates_left(resumed, 3) == lefts[1]
+
+
 # ---- a trainer's own file beside the loader states ---------------------------------------
 
 
@@ -133,8 +172,25 @@ def test_version_gate_raises_on_a_missing_member_and_warns_outside_the_range() -
         set_initial_training_values = get_batch_samples = loss_is_scaled_for_ga = None
         get_tp_size = _get_collator_with_removed_columns = None
 
+        def __init__(self) -> None:  # instance attributes count when the source sets them
+            self.callback_handler = self.control = self.accelerator = None
+            self.model_accepts_loss_kwargs: bool = False
+            self.optimizer, self.lr_scheduler = None, None  # a tuple counts too
+            self.label_smoother = None
+
+    class Plain:  # sets none of them
+        set_initial_training_values = get_batch_samples = loss_is_scaled_for_ga = None
+        get_tp_size = _get_collator_with_removed_columns = None
+
+        def __init__(self) -> None:
+            self.label_smoother_off = self.control == 1
+
     warned: set[str] = set()
     assert versions.gate("transformers", "5.24.0", {"Trainer": Trainer}, warned)
+    with pytest.raises(ConfigError, match=r"no Trainer\.callback_handler, Trainer\.control"):
+        versions.gate("transformers", "5.24.0", {"Trainer": Plain}, warned)
+    assert not versions.has_member(Plain, "label_smoother")  # another name, a comparison
+    assert versions.has_member(Trainer, "model_accepts_loss_kwargs")  # annotated
     with pytest.warns(UserWarning, match="outside the range"):
         assert not versions.gate("transformers", "5.30.0", {"Trainer": Trainer}, warned)
     del Trainer.get_batch_samples

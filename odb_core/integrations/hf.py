@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import torch
 import transformers
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
@@ -96,7 +96,8 @@ def check_transformers_version(version: str | None = None) -> bool:
     return versions.gate("transformers", version or transformers.__version__, _OWNERS, _warned)
 
 
-_OWNERS = {"Trainer": Trainer}  # ProgressCallback.training_bar is set per instance
+#: The classes whose members `PRIVATE_MEMBERS` names (`versions.has_member`).
+_OWNERS = {"Trainer": Trainer, "TrainerState": TrainerState, "ProgressCallback": ProgressCallback}
 
 
 # ---- what the Trainer's loop iterates ----------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.strategies import Strategy
 
-from odb_core.errors import ConfigError, ODBError
+from odb_core.errors import ConfigError, ODBError, ResumeStateError
 from odb_core.integrations import versions
 from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
@@ -43,10 +43,11 @@ from odb_core.torch.adapter_options import (
     trainer_windows,
 )
 from odb_core.torch.checkpoint import gather_states, load_states, states_of
-from odb_core.torch.plan import UpdatesPlan, updates_plan
+from odb_core.torch.plan import UpdatesPlan, updates_left, updates_plan
 from odb_core.torch.prefetch import PrefetchedPasses
 
 __all__ = [
+    "PLAN_KEY",
     "PRIVATE_MEMBERS",
     "SUPPORTED_LIGHTNING",
     "ODBCallback",
@@ -66,6 +67,11 @@ SUPPORTED_LIGHTNING = versions.GATES["lightning"].fallback
 #: lists the public ones its gate checks).
 PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["lightning"]
 _warned: set[str] = set()
+#: The key of the DataModule's checkpoint entry that holds the run's plan of updates:
+#: {"world_size", "max_epochs", "max_steps", "updates" (done when saved), "total"
+#: (the `estimated_stepping_batches` the run reported, or None)}.
+PLAN_KEY = "lightning_plan"
+_PLAN_FIELDS = ("world_size", "max_epochs", "max_steps", "updates", "total")
 #: Why the loader's windows cannot close on loss tokens here (`trainer_windows`).
 _NO_TOKENS = (
     "it closes windows on loss tokens, which Lightning's automatic optimization (a fixed "
@@ -124,7 +130,10 @@ class ODBDataModule(pl.LightningDataModule):
     and a `DataLoader` in place of the dataset are rejected.
 
     `loader` is the `ODBDataLoader` (built on first access). The DataModule's
-    `state_dict()` holds every rank's loader state for Lightning's checkpoint.
+    `state_dict()` holds every rank's loader state for Lightning's checkpoint, and
+    the run's plan of updates (`PLAN_KEY`: what `estimated_stepping_batches`
+    reported, at which world size, and the updates done), which a resume keeps at
+    the same world size and replans at another.
     """
 
     def __init__(self, dataset: Any, *, collate_fn: Any = None, **loader_options: Any) -> None:
@@ -146,6 +155,7 @@ class ODBDataModule(pl.LightningDataModule):
         self._passes: PrefetchedPasses | None = None  # the passes Lightning iterates
         self._train = _TrainLoader(self)
         self._pending: dict[str, Any] | None = None  # the loader states of a checkpoint
+        self.saved_plan: dict[str, Any] | None = None  # the run's plan a checkpoint holds
         self.reported_estimate: int | float | None = None  # estimated_stepping_batches
         self._callback = ODBCallback()
 
@@ -167,12 +177,28 @@ class ODBDataModule(pl.LightningDataModule):
             return dict(self._pending)
         if self._loader is None:
             return {}
-        return gather_states(self._loader, self.passes.state())
+        entry = gather_states(self._loader, self.passes.state())
+        return {**entry, PLAN_KEY: self._plan_fact()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             states_of(state_dict)  # the shape checked now; the states when loaded
+            self.saved_plan = _checked_plan(state_dict.get(PLAN_KEY))
             self._pending = dict(state_dict)
+
+    def _plan_fact(self) -> dict[str, Any]:
+        """The run's plan of updates as of this checkpoint: the figure
+        `estimated_stepping_batches` reported (what a schedule was sized to), at which
+        world size and epochs, and the optimizer updates done."""
+        trainer, loader = self.trainer, self.loader
+        total = self.reported_estimate
+        return {
+            "world_size": loader.world_size,
+            "max_epochs": None if trainer is None else trainer.max_epochs,
+            "max_steps": None if trainer is None else trainer.max_steps,
+            "updates": 0 if trainer is None else int(trainer.global_step),
+            "total": total if isinstance(total, int) else None,
+        }
 
     # ---- the loader ----
 
@@ -259,11 +285,18 @@ class ODBDataModule(pl.LightningDataModule):
 
     # ---- iteration (Lightning's view) ----
 
+    def load_pending(self) -> None:
+        """Resume the loader from the checkpoint's states now (Lightning restores the
+        DataModule before `configure_optimizers`; the loader's position then sizes
+        the rest of the run). Done at the first iteration otherwise."""
+        if self._pending is not None:
+            entry, self._pending = self._pending, None
+            load_states(self.loader, entry)
+
     def _epoch(self) -> Iterator[Any]:
         loader, passes = self.loader, self.passes
         if self._pending is not None:
-            entry, self._pending = self._pending, None
-            load_states(loader, entry)
+            self.load_pending()
         elif passes.started and not passes.ended:
             _warn_once(
                 "restart",
@@ -380,7 +413,14 @@ class ODBCallback(Callback):
 def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
     """`trainer.estimated_stepping_batches` for an `ODBDataModule`: max_epochs x an
     upper estimate of an epoch's optimizer steps (capped by max_steps). Lightning's
-    own reads len(), which the ODB train loader does not have."""
+    own reads len(), which the ODB train loader does not have.
+
+    Resumed from a checkpoint: the figure the run reported (saved in the checkpoint)
+    at the same world size and epochs, so a schedule sized from it is the
+    uninterrupted run's; at another world size (or other max_epochs / max_steps) the
+    updates done + the loader's upper estimate of the updates the rest of the run
+    needs there (`odb_core.torch.plan.updates_left`), with a warning: a schedule
+    sized from it changes length at the resume."""
     dm = _datamodule_of(trainer)
     if not isinstance(dm, ODBDataModule):
         return pl.Trainer.estimated_stepping_batches.fget(trainer)  # type: ignore[attr-defined,no-any-return]
@@ -395,11 +435,70 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
             "estimated_stepping_batches is max_steps, as in Lightning",
         )
         return max_steps
-    total: int | float = plan.upper
+    total: int | float = _run_total(dm, trainer, max(int(max_epochs), 1), plan)
     if max_steps != -1:
         total = min(total, max_steps)
     dm.reported_estimate = total
     return total
+
+
+def _run_total(dm: ODBDataModule, trainer: pl.Trainer, epochs: int, plan: UpdatesPlan) -> int:
+    """The run's planned updates: the plan's upper figure for a fresh run; on a
+    resume, the figure the checkpoint holds, or the updates done + the updates the
+    rest of the run needs at this world size."""
+    saved, world = dm.saved_plan, dm.loader.world_size
+    if saved is None:
+        return plan.upper
+    same = (saved["max_epochs"], saved["max_steps"]) == (trainer.max_epochs, trainer.max_steps)
+    if same and saved["world_size"] == world:
+        return int(saved["total"]) if saved["total"] is not None else plan.upper
+    dm.load_pending()  # the loader's position: where the rest of the run starts
+    left = updates_left(dm.loader, epochs)
+    if left is None:  # unreachable: a loader with a plan has an estimate
+        return plan.upper
+    total = int(saved["updates"]) + left
+    if saved["total"] is not None and total != saved["total"]:
+        _warn_once(
+            "replanned",
+            f"resumed at world size {world} (max_epochs={trainer.max_epochs}) from a checkpoint "
+            f"taken at world size {saved['world_size']} (max_epochs={saved['max_epochs']}): "
+            f"estimated_stepping_batches is now {saved['updates']} updates done + {left} left "
+            f"= {total}, not the run's {saved['total']}. A schedule sized from it in "
+            "configure_optimizers (e.g. a LambdaLR of total steps) changes length at the "
+            "resume: its rate jumps there, and it ends near, not exactly on, the last update. "
+            "ProgressLR(optimizer, trainer.datamodule, epochs=trainer.max_epochs) follows "
+            "the run's progress and ends exactly on the last update",
+        )
+    return total
+
+
+def _checked_plan(value: Any) -> dict[str, Any] | None:
+    """The run's plan of a checkpoint (`PLAN_KEY`), checked: it comes from disk.
+    None when the checkpoint has none (saved by an older odb-core)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) != set(_PLAN_FIELDS):
+        raise ResumeStateError(
+            f"the checkpoint's {PLAN_KEY!r} is {value!r}; expected a mapping with exactly "
+            f"the keys {list(_PLAN_FIELDS)}"
+        )
+
+    def whole(key: str, low: int, optional: bool) -> None:
+        v = value[key]
+        if v is None and optional:
+            return
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ResumeStateError(
+                f"the checkpoint's {PLAN_KEY!r} has {key}={v!r}; expected an integer >= {low}"
+                + (" or None" if optional else "")
+            )
+
+    whole("world_size", 1, False)
+    whole("max_epochs", -1, True)
+    whole("max_steps", -1, False)
+    whole("updates", 0, False)
+    whole("total", 1, True)
+    return dict(value)
 
 
 class ODBLightningTrainer(pl.Trainer):

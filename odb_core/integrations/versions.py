@@ -4,6 +4,7 @@ or the adapter's own fallback when odb-core was installed without it."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +111,14 @@ PRIVATE_MEMBERS: dict[str, dict[str, str]] = {
         "Trainer.loss_is_scaled_for_ga": "no division by gradient_accumulation_steps (5.24)",
         "Trainer.get_tp_size": "the factor average_tokens_across_devices applies (5.24)",
         "Trainer._get_collator_with_removed_columns": "remove_unused_columns (5.24)",
+        # instance attributes Trainer.__init__ sets (undocumented; checked in its source)
+        "Trainer.callback_handler": "its callbacks list: the adapter's goes first (5.24)",
+        "Trainer.control": "should_epoch_stop / should_training_stop at the loader's end (5.24)",
+        "Trainer.model_accepts_loss_kwargs": "the model sums its loss over items (5.24)",
+        "Trainer.label_smoother": "label smoothing on: the loss is no token sum (5.24)",
+        "Trainer.accelerator": "num_processes, the factor of average_tokens_across_devices (5.24)",
+        "Trainer.lr_scheduler": "the scheduler create_scheduler sets and the loop steps (5.24)",
+        "TrainerState.compute_steps": "logging/eval/save steps of the planned total (5.24)",
         "ProgressCallback.training_bar": "the bar's total follows the plan (5.24)",
     },
     "accelerate": {
@@ -160,13 +169,60 @@ GATES: dict[str, Gate] = {
 }
 
 
+def has_member(owner: object, name: str) -> bool:
+    """`owner` has `name`: an attribute of it, or (a class) one its methods set on
+    `self` (`self.name = ...`, e.g. in `__init__`), read from the source of each
+    class of its MRO that has one."""
+    if hasattr(owner, name):
+        return True
+    if not isinstance(owner, type):
+        return False
+    return any(name in _self_attributes(klass) for klass in owner.__mro__)
+
+
+@functools.cache
+def _self_attributes(klass: type) -> frozenset[str]:
+    """The names the source of `klass` assigns on `self` (`self.a = `, `self.a: T = `,
+    `self.a, self.b = `; empty without a source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        else:
+            continue
+        while targets:
+            t = targets.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                targets.extend(t.elts)
+            elif isinstance(t, ast.Starred):
+                targets.append(t.value)
+            elif (
+                isinstance(t, ast.Attribute)
+                and isinstance(t.value, ast.Name)
+                and t.value.id == "self"
+            ):
+                names.add(t.attr)
+    return frozenset(names)
+
+
 def gate(package: str, version: str, owners: Mapping[str, object], warned: set[str]) -> bool:
     """`check_version` for the adapter of `package` (its `GATES` entry): the members
     it relies on are its `PRIVATE_MEMBERS` entry and the gate's `public` ones, each
-    "Owner.member" checked on `owners`."""
+    "Owner.member" checked on `owners` (`has_member`: an instance attribute counts
+    when the class's source sets it)."""
     spec = GATES[package]
     pairs = [n.split(".") for n in [*PRIVATE_MEMBERS[package], *spec.public]]
-    missing = [f"{o}.{m}" for o, m in pairs if o in owners and not hasattr(owners[o], m)]
+    missing = [f"{o}.{m}" for o, m in pairs if o in owners and not has_member(owners[o], m)]
     return check_version(
         package,
         version,

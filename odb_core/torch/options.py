@@ -146,7 +146,6 @@ class WorkerOptions:
     prefetch_thread: bool = True
 
     def __post_init__(self) -> None:
-        _count("samples_per_fetch", self.samples_per_fetch)
         _count("samples_per_fetch", self.samples_per_fetch, least=1)
 
 

@@ -1,19 +1,26 @@
 """What a trainer sizes a run of whole epochs from, as the loader states it: the
 optimizer updates of its step estimates and a per-epoch cap no epoch reaches. One
 computation for every adapter (the HF Trainer's loop and schedule, Lightning's
-`estimated_stepping_batches`, a progress bar's total)."""
+`estimated_stepping_batches`, a progress bar's total), and the updates a run has
+left from the loader's position (`updates_left`: a resume at another world size
+replans the rest of the run)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from odb_core.estimate import StepsEstimate
+from odb_core.config import Mode
+from odb_core.errors import ConfigError
+from odb_core.estimate import StepsEstimate, estimate_epoch_steps
+from odb_core.progress import RunProgress
+from odb_core.torch.length import shard_sizes
 
 if TYPE_CHECKING:
     from odb_core.torch.loader import ODBDataLoader
 
-__all__ = ["UpdatesPlan", "updates_plan"]
+__all__ = ["UpdatesPlan", "updates_left", "updates_plan"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +77,51 @@ def updates_plan(loader: ODBDataLoader, epochs: int) -> UpdatesPlan | None:
         samples=samples,
         samples_per_update=max(1, round(samples * window / max(1, estimate.steps))),
     )
+
+
+def updates_left(loader: ODBDataLoader, epochs: int) -> int | None:
+    """The loader's upper estimate of the optimizer updates the rest of a run of
+    `epochs` epochs needs, from its position (`run_progress`; a loaded state not
+    yet iterated is its position) at its world size: the current epoch's samples
+    not yet consumed, formed by the core's estimator (`estimate_epoch_steps`) on
+    shard sizes of what is left at this world size, then each whole epoch left
+    at the epoch's upper estimate. None when the loader has no estimate (an
+    IterableDataset). Take the position at a window boundary (a checkpoint's):
+    the windows left are then the steps left over `grad_accum_steps`.
+
+    After a resume at another world size, updates done + this is the run's
+    planned total at the new world size (`UpdatesPlan.upper` is a whole run's)."""
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ConfigError(f"epochs={epochs!r} must be a positive integer")
+    if loader.step_bound() is None:
+        return None
+    try:
+        full = loader.steps_estimate()
+    except TypeError:
+        return None
+    progress = loader.run_progress
+    per_epoch = loader.optimizer_steps(full.upper)
+    if progress.epoch >= epochs:
+        return 0
+    whole = epochs - progress.epoch - 1
+    if progress.closed:
+        return whole * per_epoch
+    if progress.samples <= 0 or progress.epoch_samples <= 0:
+        return (whole + 1) * per_epoch
+    left = max(0, progress.epoch_samples - progress.samples)
+    return whole * per_epoch + loader.optimizer_steps(_steps_for(loader, left, full, progress))
+
+
+def _steps_for(loader: ODBDataLoader, left: int, full: StepsEstimate, progress: RunProgress) -> int:
+    """The upper estimate of the steps that form `left` samples of the epoch."""
+    if left == 0:
+        return 0
+    config = loader.config
+    # the measured samples `steps_estimate()` drew (a fact of the loader's; no
+    # public accessor yet, so read here rather than measured twice)
+    costs = loader._length.costs
+    if config.mode is Mode.JOIN and costs:
+        part = estimate_epoch_steps(config, costs, shard_sizes(left, loader.world_size))
+        return min(part.upper, full.upper)  # a part of an epoch: not above the whole
+    # quota mode (or no measured costs): the epoch's upper estimate, pro rata
+    return min(full.upper, math.ceil(full.upper * left / progress.epoch_samples) + 1)
