@@ -31,6 +31,7 @@ pending carry as it was.
 from __future__ import annotations
 
 import array
+import contextlib
 import functools
 import json
 import logging
@@ -992,6 +993,15 @@ class _EpochIterator:
 
     def __iter__(self) -> _EpochIterator:
         return self
+
+    def __del__(self) -> None:
+        # Dropped mid-epoch (a loop that broke out, a resume that builds a new
+        # loader): no step can be taken from this pipeline any more, so stop it now
+        # (as close() would) rather than leave its thread and workers waiting.
+        if not self._finished:
+            self._finished = True
+            with contextlib.suppress(Exception):
+                self._pipeline.abandon()
 
     def __next__(self) -> Any:
         if self._finished:

@@ -205,12 +205,20 @@ class EpochPipeline:
         self._delivered = 0  # records taken from the source (for the early-form estimate)
         self._look = setup.source if isinstance(setup.source, LookAhead) else None
         self._gen = self._rounds()
-        self._thread = threading.Thread(target=self._run, name="odb-protocol", daemon=True)
+        self._releaser: threading.Thread | None = None  # drops the source after a failure
+        # Inline, no thread object at all: a never-started Thread keeps its target (this
+        # pipeline) in a reference cycle, which only the cyclic GC frees, and torch's
+        # worker shutdown under the GC waits out its 5 s join timeout per worker.
+        self._thread: threading.Thread | None = (
+            threading.Thread(target=self._run, name="odb-protocol", daemon=True)
+            if threaded
+            else None
+        )
 
     # ---- training-loop side ------------------------------------------------
 
     def start(self) -> None:
-        if self._threaded:
+        if self._thread is not None:
             self._thread.start()
 
     def get(self) -> Emitted | _End:
@@ -254,8 +262,8 @@ class EpochPipeline:
 
     @property
     def alive(self) -> bool:
-        look = self._look
-        return self._thread.is_alive() or (look is not None and look.alive)
+        look, thread = self._look, self._thread
+        return (thread is not None and thread.is_alive()) or (look is not None and look.alive)
 
     def _wait_item(self) -> Emitted | _Failure | _End:
         t = self.s.transport
@@ -279,7 +287,8 @@ class EpochPipeline:
         except queue.Empty:
             if self._peer_failure is not None:
                 return self._peer_failure
-            if not self._thread.is_alive() and self._queue.empty():
+            thread = self._thread
+            if (thread is None or not thread.is_alive()) and self._queue.empty():
                 raise ODBError("the loader's protocol thread ended without a result") from None
             # The protocol thread may be stuck in this rank's own data pipeline (a
             # hung worker): raise once a peer failed and said so, or the store's host
@@ -307,23 +316,46 @@ class EpochPipeline:
         return final
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop after the rounds every rank issues anyway (see module docstring)."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
-        if self._threaded:
-            if self._thread.is_alive() and self._thread is not threading.current_thread():
-                self._thread.join(timeout)
+        """Stop after the rounds every rank issues anyway (see module docstring), and
+        wait (up to `timeout` each) for the protocol thread and for the source's
+        workers to be released."""
+        self._stop()
+        thread = self._thread
+        if thread is not None:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout)
             if self._look is not None:
                 # Its reader must not be inside the inner iterator when the next epoch
                 # resets it (persistent workers reuse one iterator).
                 self._look.close(timeout)
-            return
-        if not self._finished:
+        elif not self._finished:
             try:
                 self._gen.close()
             finally:
                 self._finish(_Failure(ODBError("the loader was closed before the epoch ended")))
+        releaser = self._releaser
+        if releaser is not None and releaser is not threading.current_thread():
+            releaser.join(timeout)
+
+    def abandon(self) -> None:
+        """The training loop dropped its iterator: nothing can take a step from this
+        pipeline any more, so stop it as `close` would, without waiting for the
+        protocol thread (it ends by itself after the rounds every rank issues
+        anyway, and releases the source's workers as it ends). Inline, that is the
+        close itself, without waiting either. Without this an abandoned pipeline
+        would hold its thread (blocked at the gate) and the inner DataLoader's
+        workers until the loader is iterated again or closed, or for the life of
+        the process."""
+        if self._thread is not None:
+            self._stop()
+            return
+        with contextlib.suppress(ValueError):  # ValueError: the generator is running
+            self.close(timeout=0.0)  # the workers are released on a thread of their own
+
+    def _stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
 
     # ---- the protocol loop -----------------------------------------------------
 
@@ -362,13 +394,17 @@ class EpochPipeline:
         self._finished = True
         # Release the inner iterator now (it shuts its workers down unless they are
         # persistent, which the DataLoader itself keeps alive); after a failure on a
-        # background thread, so that the error does not wait for the workers.
+        # background thread, so that the error does not wait for the workers (close()
+        # waits for that thread).
         holder = [self.s.source]
         self.s.source = iter(())
         if self._look is not None:
             self._look.close()  # its reader drops the inner iterator as it ends
         if isinstance(final, _Failure):
-            threading.Thread(target=holder.clear, name="odb-release-workers", daemon=True).start()
+            self._releaser = threading.Thread(
+                target=holder.clear, name="odb-release-workers", daemon=True
+            )
+            self._releaser.start()
         else:
             holder.clear()
         del holder
