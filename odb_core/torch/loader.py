@@ -31,7 +31,6 @@ pending carry as it was.
 from __future__ import annotations
 
 import array
-import contextlib
 import functools
 import json
 import logging
@@ -933,7 +932,9 @@ class ODBDataLoader:
         after the rounds every rank issues anyway. Call it on every rank when
         training ends, before `destroy_process_group`, so that no thread of the
         loader is inside a collective while the group is torn down (trainer
-        adapters do it at train end). Iterating again starts as usual."""
+        adapters do it at train end). Iterating again starts as usual. An iterator
+        dropped mid-epoch (a loop that broke out and let it go) stops alike, at
+        once, without waiting for the thread and workers to end; close() waits."""
         with self._lock:
             self._stop_pipeline()
 
@@ -1000,8 +1001,10 @@ class _EpochIterator:
         # (as close() would) rather than leave its thread and workers waiting.
         if not self._finished:
             self._finished = True
-            with contextlib.suppress(Exception):
+            try:  # noqa: SIM105  (no module global: this may run at interpreter exit)
                 self._pipeline.abandon()
+            except Exception:
+                pass
 
     def __next__(self) -> Any:
         if self._finished:
