@@ -14,6 +14,9 @@ padding `1 - real / padded tokens`, steps, and the seconds the training loop
 waited for a batch (`EpochStats.stall_s`; the first batch's wait included).
 `--profile` adds the protocol thread's CPU seconds, the former runs (full and
 early forms) and their CPU seconds (thread time, so waits are not counted).
+`--compare-read-ahead` runs every variant twice per repeat, interleaved: as is,
+and with the protocol thread's read ahead at the gate off (the pipeline before
+it had one; same batches, see tests/test_pipeline_readahead.py).
 """
 
 from __future__ import annotations
@@ -92,8 +95,25 @@ def instrument() -> None:
     pipeline.EpochPipeline._run = timed_loop  # type: ignore[method-assign]
 
 
+def no_read_ahead(self: Any) -> int:
+    return 0
+
+
 def run(ds: SlowText, args: argparse.Namespace, kw: dict[str, Any]) -> dict[str, float]:
     PROFILE.update(forms=0, former_cpu_s=0.0, protocol_cpu_s=0.0)
+    from odb_core.torch.pipeline import EpochPipeline
+
+    kw = dict(kw)
+    room = EpochPipeline._read_ahead_room
+    if kw.pop("read_ahead", True) is False:
+        EpochPipeline._read_ahead_room = no_read_ahead  # type: ignore[method-assign]
+    try:
+        return _run(ds, args, kw)
+    finally:
+        EpochPipeline._read_ahead_room = room  # type: ignore[method-assign]
+
+
+def _run(ds: SlowText, args: argparse.Namespace, kw: dict[str, Any]) -> dict[str, float]:
     loader = ODBDataLoader(
         ds,
         token_budget=args.budget,
@@ -139,12 +159,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variant", action="append", choices=list(VARIANTS), default=None)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--compare-read-ahead", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.profile:
         instrument()
     ds = SlowText(args.samples, args.mean_len, args.prep_ms / 1e3)
     variants = {name: VARIANTS[name] for name in args.variant or VARIANTS}
+    if args.compare_read_ahead:
+        variants = {
+            f"{name}{tag}": {**kw, "read_ahead": on}
+            for name, kw in variants.items()
+            for tag, on in ((", no read ahead", False), ("", True))
+        }
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     loads = [os.getloadavg()[0]]
     for _ in range(args.repeats):

@@ -186,6 +186,10 @@ class EpochPipeline:
         self._released: list[int] = []  # steps released by rounds 0..q, cumulative
         self._stopping = False
         self._pending: deque[Record] = deque()
+        self._source_ended = False  # the source returned its end (read ahead, or by _pull)
+        self._read_error: Exception | None = None  # raised by the source while reading ahead
+        # Set whenever the protocol thread blocks at the gate with nothing to read ahead.
+        self._gate_idle = threading.Event()
         self._requested: set[int] = set(setup.machine.queue)  # dynamic: ids sent to workers
         self._raw: dict[int, Any] = {}
         self._cut: dict[int, int] = {}  # truncated before observing: id -> kept tokens
@@ -422,10 +426,42 @@ class EpochPipeline:
             return True  # the training loop drives
         q = r - ROUNDS_AHEAD - 1
         need = self._released[q] if q >= 0 else 0
-        with self._cv:
-            while self._taken < need and not self._stopping:
-                self._cv.wait()
-            return self._taken >= need
+        while True:
+            with self._cv:
+                if self._taken >= need or self._stopping:
+                    return self._taken >= need
+                if self._read_ahead_room() <= 0:
+                    self._gate_idle.set()
+                    self._cv.wait()
+                    continue
+            self._read_ahead()  # outside the lock: it may wait for the workers
+
+    def _read_ahead_room(self) -> int:
+        """Records the next fill will take that the pipeline does not hold yet: the
+        window's free room, less what is already read ahead (0 once the source ended)."""
+        if self._source_ended:
+            return 0
+        m = self.s.machine
+        return m.config.buffer_size - len(m.buffer) - len(self._pending)
+
+    def _read_ahead(self) -> None:
+        """While the gate holds the thread (the training loop has steps queued, and the
+        machine, with batches ready, observes nothing), take one more chunk from the
+        source into `_pending`, so the workers keep preprocessing the next window
+        instead of idling until the next fill asks for it. The machine observes the
+        same samples in the same order (`_pull` takes `_pending` first): batches do
+        not change, only when the samples are there. A source error is raised by
+        `_pull` where it would have met it, after the records before it."""
+        try:
+            chunk = next(self.s.source, None)
+        except Exception as exc:
+            self._read_error = exc
+            self._source_ended = True
+            return
+        if chunk is None:
+            self._source_ended = True
+            return
+        self._pending.extend(unpack(chunk) if isinstance(chunk, Packed) else chunk)
 
     def _rounds(self) -> Generator[Emitted, None, _End | _Failure]:
         m, t = self.s.machine, self.s.transport
@@ -570,13 +606,18 @@ class EpochPipeline:
     def _pull(self) -> Sample | None:
         while True:
             if not self._pending:
-                chunk = next(self.s.source, None)
+                error, self._read_error = self._read_error, None
+                if error is not None:
+                    raise error
+                chunk = None if self._source_ended else next(self.s.source, None)
                 if chunk is None:
+                    self._source_ended = True
                     dealt = self._newly_dealt()
                     if not dealt:
                         return None
                     assert self.s.restart is not None
                     self.s.source = self.s.restart(dealt)
+                    self._source_ended = False
                     continue
                 self._pending.extend(unpack(chunk) if isinstance(chunk, Packed) else chunk)
                 continue
