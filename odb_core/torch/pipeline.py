@@ -20,7 +20,10 @@ function of the steps its loop has taken, identical on all ranks; a loop that
 stops early at the same step on every rank leaves no half-issued collective
 behind. The all-gather of round r+1 is in flight while the loop trains on round
 r, and the loop observes more samples into the window while it waits (the
-machine allows prefetch in its WAITING phase).
+machine allows prefetch in its WAITING phase). While the gate holds it, the
+thread reads the next window ahead (up to the window's free room) into its own
+queue of records, so the workers keep preprocessing; the machine observes them
+in source order at its next fill, so the batches do not change.
 
 Exact replay (deterministic resume). With `skip_before` set, the loop runs the
 epoch's protocol from the start of its incarnation, exactly as the interrupted
