@@ -8,8 +8,15 @@ whose preprocessing is slow and I/O-bound (`--prep-ms` of sleep per sample, on
 proportion to the batch's padded tokens (`--step-us-per-token`), so the run is
 data-bound at its start and CPU-light on a shared machine. Variants, interleaved
 per repeat (medians): the padded default window (1,024), a 4,096 window, and each
-with `early_form=128` (`early_form_wait` 0.25 s). Reported: seconds to the first
-batch, epoch wall seconds, padding `1 - real / padded tokens`, steps.
+with `early_form=128` (`early_form_wait` 0.25 s); `--variant NAME` (repeatable)
+runs only those. Reported: seconds to the first batch, epoch wall seconds,
+padding `1 - real / padded tokens`, steps, and the seconds the training loop
+waited for a batch (`EpochStats.stall_s`; the first batch's wait included).
+`--profile` adds the protocol thread's CPU seconds, the former runs (full and
+early forms) and their CPU seconds (thread time, so waits are not counted).
+`--compare-read-ahead` runs every variant twice per repeat, interleaved: as is,
+and with the protocol thread's read ahead at the gate off (the pipeline before
+it had one; same batches, see tests/test_pipeline_readahead.py).
 """
 
 from __future__ import annotations
@@ -58,7 +65,55 @@ def lengths_only(samples: list[dict[str, torch.Tensor]]) -> list[int]:
     return [len(s["input_ids"]) for s in samples]
 
 
+PROFILE: dict[str, float] = {}  # --profile: the current run's counters
+
+
+def instrument() -> None:
+    """Count the former's runs and CPU time, and the protocol thread's CPU time."""
+    import odb_core.protocol as protocol
+    from odb_core.torch import pipeline
+
+    former = protocol.carried_first
+    loop = pipeline.EpochPipeline._run
+
+    def timed_former(*a: Any, **k: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return former(*a, **k)
+        finally:
+            PROFILE["forms"] += 1
+            PROFILE["former_cpu_s"] += time.thread_time() - start
+
+    def timed_loop(self: Any) -> None:
+        start = time.thread_time()
+        try:
+            loop(self)
+        finally:
+            PROFILE["protocol_cpu_s"] += time.thread_time() - start
+
+    protocol.carried_first = timed_former  # type: ignore[assignment]
+    pipeline.EpochPipeline._run = timed_loop  # type: ignore[method-assign]
+
+
+def no_read_ahead(self: Any) -> int:
+    return 0
+
+
 def run(ds: SlowText, args: argparse.Namespace, kw: dict[str, Any]) -> dict[str, float]:
+    PROFILE.update(forms=0, former_cpu_s=0.0, protocol_cpu_s=0.0)
+    from odb_core.torch.pipeline import EpochPipeline
+
+    kw = dict(kw)
+    room = EpochPipeline._read_ahead_room
+    if kw.pop("read_ahead", True) is False:
+        EpochPipeline._read_ahead_room = no_read_ahead  # type: ignore[method-assign]
+    try:
+        return _run(ds, args, kw)
+    finally:
+        EpochPipeline._read_ahead_room = room  # type: ignore[method-assign]
+
+
+def _run(ds: SlowText, args: argparse.Namespace, kw: dict[str, Any]) -> dict[str, float]:
     loader = ODBDataLoader(
         ds,
         token_budget=args.budget,
@@ -81,8 +136,16 @@ def run(ds: SlowText, args: argparse.Namespace, kw: dict[str, Any]) -> dict[str,
         padded += len(lengths) * max(lengths)
         time.sleep(len(lengths) * max(lengths) * args.step_us_per_token / 1e6)
     wall = time.perf_counter() - start
+    stall = loader.epoch_stats.stall_s if loader.epoch_stats is not None else math.nan
     loader.close()
-    return {"first_s": first or 0.0, "wall_s": wall, "padding": 1 - real / padded, "steps": steps}
+    return {
+        "first_s": first or 0.0,
+        "wall_s": wall,
+        "padding": 1 - real / padded,
+        "steps": steps,
+        "stall_s": stall,
+        **(dict(PROFILE) if args.profile else {}),
+    }
 
 
 def main() -> None:
@@ -94,16 +157,31 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--step-us-per-token", type=float, default=6.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variant", action="append", choices=list(VARIANTS), default=None)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--compare-read-ahead", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.profile:
+        instrument()
     ds = SlowText(args.samples, args.mean_len, args.prep_ms / 1e3)
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    variants = {name: VARIANTS[name] for name in args.variant or VARIANTS}
+    if args.compare_read_ahead:
+        variants = {
+            f"{name}{tag}": {**kw, "read_ahead": on}
+            for name, kw in variants.items()
+            for tag, on in ((", no read ahead", False), ("", True))
+        }
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    loads = [os.getloadavg()[0]]
     for _ in range(args.repeats):
-        for name, kw in VARIANTS.items():
+        for name, kw in variants.items():
             runs[name].append(run(ds, args, kw))
+            loads.append(os.getloadavg()[0])
     out = {
         "params": vars(args),
         "load": os.getloadavg(),
+        "load_range": (min(loads), max(loads)),
         "medians": {
             name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
             for name, rs in runs.items()
@@ -113,13 +191,20 @@ def main() -> None:
     if args.json:
         print(json.dumps(out))
         return
-    print(f"load average {out['load'][0]:.2f}; medians of {args.repeats}")
-    print("| variant | first batch s | epoch s | padding | steps |")
-    print("|---|---|---|---|---|")
+    lo, hi = out["load_range"]
+    print(f"load average {lo:.2f}-{hi:.2f} (1 min, between runs); medians of {args.repeats}")
+    print("| variant | first batch s | epoch s | padding | steps | loop waited s |")
+    print("|---|---|---|---|---|---|")
     for name, m in out["medians"].items():
         print(
             f"| {name} | {m['first_s']:.2f} | {m['wall_s']:.2f} | {m['padding']:.1%} | "
-            f"{m['steps']:.0f} |"
+            f"{m['steps']:.0f} | {m['stall_s']:.2f} |"
+            + (
+                f" protocol thread {m['protocol_cpu_s']:.2f} s CPU, {m['forms']:.0f} forms "
+                f"{m['former_cpu_s']:.3f} s CPU |"
+                if args.profile
+                else ""
+            )
         )
 
 

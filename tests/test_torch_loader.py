@@ -8,18 +8,21 @@ test_torch_distributed.py, with real processes.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import random
 import subprocess
 import sys
 import threading
+import weakref
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from guards import HANG_GUARD_S  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
 from odb_core import (  # noqa: E402
@@ -262,6 +265,53 @@ def test_close_stops_the_protocol_thread_and_a_new_iteration_starts(n: int) -> N
     assert not any(t.is_alive() for t in mine)
     dl.close()  # idempotent
     assert sorted(ids_of(run(dl))) == list(range(97))
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_an_iterator_dropped_mid_epoch_releases_its_thread_and_workers(threaded: bool) -> None:
+    """A loop that breaks out (or a resume that builds a new loader) drops its iterator
+    mid-epoch: the pipeline stops at once, its protocol thread ends, and the inner
+    DataLoader's iterator is freed by reference counting, so its workers shut down
+    right away (freed by the cyclic GC, torch's shutdown waits 5 s per worker for a
+    worker that never hears the stop). No resource is left to the GC here: it is
+    off, and nothing may need it. Then a resume emits every sample exactly once."""
+    gc.collect()
+    gc.disable()
+    try:
+        dl = loader(Text(97), **workers(1), max_steps_per_round=1, prefetch_thread=threaded)
+        it = iter(dl)
+        done: list[int] = []
+        for _ in range(3):
+            next(it)
+            assert dl.step_info is not None
+            done += dl.step_info.sample_ids
+        pipeline = dl._pipeline
+        assert pipeline is not None and pipeline.alive is threaded
+        thread = pipeline._thread
+        inner = weakref.ref(pipeline.s.source)  # the inner DataLoader's iterator
+        procs = list(getattr(inner(), "_workers", ()))
+        assert len(procs) == 1 and procs[0].is_alive()
+        del it  # the loop broke out
+        assert pipeline._stopping, "the dropped iterator did not stop its pipeline"
+        if threaded:
+            assert thread is not None
+            thread.join(HANG_GUARD_S)
+            assert not thread.is_alive()  # the join returned because the thread ended
+        releaser = pipeline._releaser  # drops the inner iterator off the calling thread
+        assert releaser is not None
+        releaser.join(HANG_GUARD_S)
+        assert not releaser.is_alive()
+        assert inner() is None, "the inner DataLoader iterator waits for the cyclic GC"
+        assert not any(w.is_alive() for w in procs)  # torch's shutdown joined its worker
+        state = dl.state_dict()
+        gone = weakref.ref(pipeline)
+        del dl, pipeline
+        assert gone() is None, "the dropped loader's pipeline waits for the cyclic GC"
+    finally:
+        gc.enable()
+    fresh = loader(Text(97), **workers(1), max_steps_per_round=1, prefetch_thread=threaded)
+    fresh.load_state_dict(state)
+    assert sorted(done + ids_of(run(fresh))) == list(range(97))
 
 
 def test_with_step_info_yields_pairs() -> None:

@@ -932,7 +932,9 @@ class ODBDataLoader:
         after the rounds every rank issues anyway. Call it on every rank when
         training ends, before `destroy_process_group`, so that no thread of the
         loader is inside a collective while the group is torn down (trainer
-        adapters do it at train end). Iterating again starts as usual."""
+        adapters do it at train end). Iterating again starts as usual. An iterator
+        dropped mid-epoch (a loop that broke out and let it go) stops alike, at
+        once, without waiting for the thread and workers to end; close() waits."""
         with self._lock:
             self._stop_pipeline()
 
@@ -992,6 +994,17 @@ class _EpochIterator:
 
     def __iter__(self) -> _EpochIterator:
         return self
+
+    def __del__(self) -> None:
+        # Dropped mid-epoch (a loop that broke out, a resume that builds a new
+        # loader): no step can be taken from this pipeline any more, so stop it now
+        # (as close() would) rather than leave its thread and workers waiting.
+        if not self._finished:
+            self._finished = True
+            try:  # noqa: SIM105  (no module global: this may run at interpreter exit)
+                self._pipeline.abandon()
+            except Exception:
+                pass
 
     def __next__(self) -> Any:
         if self._finished:

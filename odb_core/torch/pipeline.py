@@ -20,7 +20,10 @@ function of the steps its loop has taken, identical on all ranks; a loop that
 stops early at the same step on every rank leaves no half-issued collective
 behind. The all-gather of round r+1 is in flight while the loop trains on round
 r, and the loop observes more samples into the window while it waits (the
-machine allows prefetch in its WAITING phase).
+machine allows prefetch in its WAITING phase). While the gate holds it, the
+thread reads the next window ahead (up to the window's free room) into its own
+queue of records, so the workers keep preprocessing; the machine observes them
+in source order at its next fill, so the batches do not change.
 
 Exact replay (deterministic resume). With `skip_before` set, the loop runs the
 epoch's protocol from the start of its incarnation, exactly as the interrupted
@@ -186,6 +189,10 @@ class EpochPipeline:
         self._released: list[int] = []  # steps released by rounds 0..q, cumulative
         self._stopping = False
         self._pending: deque[Record] = deque()
+        self._source_ended = False  # the source returned its end (read ahead, or by _pull)
+        self._read_error: Exception | None = None  # raised by the source while reading ahead
+        # Set whenever the protocol thread blocks at the gate with nothing to read ahead.
+        self._gate_idle = threading.Event()
         self._requested: set[int] = set(setup.machine.queue)  # dynamic: ids sent to workers
         self._raw: dict[int, Any] = {}
         self._cut: dict[int, int] = {}  # truncated before observing: id -> kept tokens
@@ -205,12 +212,20 @@ class EpochPipeline:
         self._delivered = 0  # records taken from the source (for the early-form estimate)
         self._look = setup.source if isinstance(setup.source, LookAhead) else None
         self._gen = self._rounds()
-        self._thread = threading.Thread(target=self._run, name="odb-protocol", daemon=True)
+        self._releaser: threading.Thread | None = None  # drops the source after a failure
+        # Inline, no thread object at all: a never-started Thread keeps its target (this
+        # pipeline) in a reference cycle, which only the cyclic GC frees, and torch's
+        # worker shutdown under the GC waits out its 5 s join timeout per worker.
+        self._thread: threading.Thread | None = (
+            threading.Thread(target=self._run, name="odb-protocol", daemon=True)
+            if threaded
+            else None
+        )
 
     # ---- training-loop side ------------------------------------------------
 
     def start(self) -> None:
-        if self._threaded:
+        if self._thread is not None:
             self._thread.start()
 
     def get(self) -> Emitted | _End:
@@ -254,8 +269,8 @@ class EpochPipeline:
 
     @property
     def alive(self) -> bool:
-        look = self._look
-        return self._thread.is_alive() or (look is not None and look.alive)
+        look, thread = self._look, self._thread
+        return (thread is not None and thread.is_alive()) or (look is not None and look.alive)
 
     def _wait_item(self) -> Emitted | _Failure | _End:
         t = self.s.transport
@@ -279,7 +294,8 @@ class EpochPipeline:
         except queue.Empty:
             if self._peer_failure is not None:
                 return self._peer_failure
-            if not self._thread.is_alive() and self._queue.empty():
+            thread = self._thread
+            if (thread is None or not thread.is_alive()) and self._queue.empty():
                 raise ODBError("the loader's protocol thread ended without a result") from None
             # The protocol thread may be stuck in this rank's own data pipeline (a
             # hung worker): raise once a peer failed and said so, or the store's host
@@ -307,23 +323,46 @@ class EpochPipeline:
         return final
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop after the rounds every rank issues anyway (see module docstring)."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
-        if self._threaded:
-            if self._thread.is_alive() and self._thread is not threading.current_thread():
-                self._thread.join(timeout)
+        """Stop after the rounds every rank issues anyway (see module docstring), and
+        wait (up to `timeout` each) for the protocol thread and for the source's
+        workers to be released."""
+        self._stop()
+        thread = self._thread
+        if thread is not None:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout)
             if self._look is not None:
                 # Its reader must not be inside the inner iterator when the next epoch
                 # resets it (persistent workers reuse one iterator).
                 self._look.close(timeout)
-            return
-        if not self._finished:
+        elif not self._finished:
             try:
                 self._gen.close()
             finally:
                 self._finish(_Failure(ODBError("the loader was closed before the epoch ended")))
+        releaser = self._releaser
+        if releaser is not None and releaser is not threading.current_thread():
+            releaser.join(timeout)
+
+    def abandon(self) -> None:
+        """The training loop dropped its iterator: nothing can take a step from this
+        pipeline any more, so stop it as `close` would, without waiting for the
+        protocol thread (it ends by itself after the rounds every rank issues
+        anyway, and releases the source's workers as it ends). Inline, that is the
+        close itself, without waiting either. Without this an abandoned pipeline
+        would hold its thread (blocked at the gate) and the inner DataLoader's
+        workers until the loader is iterated again or closed, or for the life of
+        the process."""
+        if self._thread is not None:
+            self._stop()
+            return
+        with contextlib.suppress(ValueError):  # ValueError: the generator is running
+            self.close(timeout=0.0)  # the workers are released on a thread of their own
+
+    def _stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
 
     # ---- the protocol loop -----------------------------------------------------
 
@@ -362,13 +401,17 @@ class EpochPipeline:
         self._finished = True
         # Release the inner iterator now (it shuts its workers down unless they are
         # persistent, which the DataLoader itself keeps alive); after a failure on a
-        # background thread, so that the error does not wait for the workers.
+        # background thread, so that the error does not wait for the workers (close()
+        # waits for that thread).
         holder = [self.s.source]
         self.s.source = iter(())
         if self._look is not None:
             self._look.close()  # its reader drops the inner iterator as it ends
         if isinstance(final, _Failure):
-            threading.Thread(target=holder.clear, name="odb-release-workers", daemon=True).start()
+            self._releaser = threading.Thread(
+                target=holder.clear, name="odb-release-workers", daemon=True
+            )
+            self._releaser.start()
         else:
             holder.clear()
         del holder
@@ -386,10 +429,42 @@ class EpochPipeline:
             return True  # the training loop drives
         q = r - ROUNDS_AHEAD - 1
         need = self._released[q] if q >= 0 else 0
-        with self._cv:
-            while self._taken < need and not self._stopping:
-                self._cv.wait()
-            return self._taken >= need
+        while True:
+            with self._cv:
+                if self._taken >= need or self._stopping:
+                    return self._taken >= need
+                if self._read_ahead_room() <= 0:
+                    self._gate_idle.set()
+                    self._cv.wait()
+                    continue
+            self._read_ahead()  # outside the lock: it may wait for the workers
+
+    def _read_ahead_room(self) -> int:
+        """Records the next fill will take that the pipeline does not hold yet: the
+        window's free room, less what is already read ahead (0 once the source ended)."""
+        if self._source_ended:
+            return 0
+        m = self.s.machine
+        return m.config.buffer_size - len(m.buffer) - len(self._pending)
+
+    def _read_ahead(self) -> None:
+        """While the gate holds the thread (the training loop has steps queued, and the
+        machine, with batches ready, observes nothing), take one more chunk from the
+        source into `_pending`, so the workers keep preprocessing the next window
+        instead of idling until the next fill asks for it. The machine observes the
+        same samples in the same order (`_pull` takes `_pending` first): batches do
+        not change, only when the samples are there. A source error is raised by
+        `_pull` where it would have met it, after the records before it."""
+        try:
+            chunk = next(self.s.source, None)
+        except Exception as exc:
+            self._read_error = exc
+            self._source_ended = True
+            return
+        if chunk is None:
+            self._source_ended = True
+            return
+        self._pending.extend(unpack(chunk) if isinstance(chunk, Packed) else chunk)
 
     def _rounds(self) -> Generator[Emitted, None, _End | _Failure]:
         m, t = self.s.machine, self.s.transport
@@ -534,13 +609,18 @@ class EpochPipeline:
     def _pull(self) -> Sample | None:
         while True:
             if not self._pending:
-                chunk = next(self.s.source, None)
+                error, self._read_error = self._read_error, None
+                if error is not None:
+                    raise error
+                chunk = None if self._source_ended else next(self.s.source, None)
                 if chunk is None:
+                    self._source_ended = True
                     dealt = self._newly_dealt()
                     if not dealt:
                         return None
                     assert self.s.restart is not None
                     self.s.source = self.s.restart(dealt)
+                    self._source_ended = False
                     continue
                 self._pending.extend(unpack(chunk) if isinstance(chunk, Packed) else chunk)
                 continue
