@@ -76,6 +76,7 @@ from odb_core.resume import (
     merge,
     partition,
 )
+from odb_core.sample import Sample
 from odb_core.schedule import SampleProfile
 from odb_core.torch.length import EpochLength, shard_sizes
 from odb_core.torch.lookahead import LookAhead
@@ -538,6 +539,12 @@ class ODBDataLoader:
             return measure(self.dataset[i], i, self.cost_fn, self.loss_tokens)
 
         return self._length.estimate(size, shard_sizes(size, self.world_size), measure_one)
+
+    @property
+    def measured_samples(self) -> list[Sample]:
+        """The measured samples the step estimate drew (`steps_estimate`; empty
+        before it ran): what estimates of part of an epoch are formed from."""
+        return self._length.costs
 
     @property
     def epoch_steps(self) -> dict[int, int]:

@@ -117,9 +117,7 @@ def _steps_for(loader: ODBDataLoader, left: int, full: StepsEstimate, progress: 
     if left == 0:
         return 0
     config = loader.config
-    # the measured samples `steps_estimate()` drew (a fact of the loader's; no
-    # public accessor yet, so read here rather than measured twice)
-    costs = loader._length.costs
+    costs = loader.measured_samples  # those `steps_estimate()` drew: not measured twice
     if config.mode is Mode.JOIN and costs:
         part = estimate_epoch_steps(config, costs, shard_sizes(left, loader.world_size))
         return min(part.upper, full.upper)  # a part of an epoch: not above the whole
