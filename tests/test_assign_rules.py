@@ -61,11 +61,13 @@ def test_counting_deals_one_id_at_a_time_to_the_emptiest_rank() -> None:
 
 
 def test_counting_includes_the_id_a_starved_rank_already_got() -> None:
-    # Rank 0 offered nothing: it is starved and gets an id first (holds 1). Rank 1
-    # holds its unread id (1). The 6 ids the ranks lack to hold 4 alternate from
-    # rank 0: 3 each, rank 0 ending with 4 and rank 1 with 3.
-    got = deal([_c(), _c((1, 1), unread=1)], steps=1, plan_left=10, target=4)
-    assert got == (4, 3)
+    # Rank 0 offered nothing: it is starved and gets an id first (holds 1), so the
+    # round runs no step (steps=0; the deal cap does not apply). Rank 1 holds its
+    # offered batch (1 sample) and its unread id: 2. The ranks lack 3 + 2 = 5 ids
+    # (not 6: rank 0's first id counts); priced at the mean (1), rank 0 (est 1)
+    # takes two, then the tie goes to rank 0: 4 and 2.
+    got = deal([_c(), _c((1, 1), unread=1)], steps=0, plan_left=10, target=4)
+    assert got == (4, 2)
 
 
 def test_unread_ids_are_priced_at_the_mean_cost() -> None:
@@ -77,8 +79,10 @@ def test_unread_ids_are_priced_at_the_mean_cost() -> None:
 
 
 def test_the_id_a_starved_rank_got_is_priced_like_an_unread_one() -> None:
-    # Rank 0 is starved (offered nothing) with one held sample of 10 tokens; its
-    # first id is priced at the mean (10): 20 against rank 1's 10 (scaled: 40, 20;
-    # +20 an id). Five more ids: rank 1, then alternating from the tie, rank 0 first.
-    got = deal([_c(held=1, work=10), _c((1, 10), held=1, work=10)], 1, 10, 4)
-    assert got == (3, 3)
+    # Rank 0 is starved (offered nothing; the round runs no step) with one held
+    # sample of 10 tokens; rank 1 holds its offered batch of one 10-token sample.
+    # Mean 10: rank 0's first id is priced at it, 20 against rank 1's 20 (scaled by
+    # the 3 held samples: 60 and 60, +30 an id). The 4 ids the ranks lack alternate
+    # from the tie, rank 0 first: 3 and 2 (unpriced, rank 0 would take 3 more).
+    got = deal([_c(held=1, work=10), _c((1, 10), held=1, work=10)], 0, 10, 4)
+    assert got == (3, 2)
