@@ -118,9 +118,17 @@ def chunks(lengths: Sequence[int]) -> Iterator[list[Record]]:
         yield [(i, {"input_ids": [0] * n})]
 
 
-def setup(source: Iterator[Any], transport: Any = None, **kw: Any) -> EpochSetup:
-    """One rank of world size 1 over `source`, collating lists of raw samples."""
-    config = ProtocolConfig(world_size=1, budget=Budget(8), buffer_size=4, max_steps_per_round=2)
+def setup(
+    source: Iterator[Any],
+    transport: Any = None,
+    config: ProtocolConfig | None = None,
+    **kw: Any,
+) -> EpochSetup:
+    """One rank of world size 1 over `source` (by default window 4, 2 steps a round),
+    collating lists of raw samples."""
+    config = config or ProtocolConfig(
+        world_size=1, budget=Budget(8), buffer_size=4, max_steps_per_round=2
+    )
     return EpochSetup(
         machine=RankMachine(0, config),
         transport=LocalTransport() if transport is None else transport,

@@ -22,14 +22,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from guards import HANG_GUARD_S  # noqa: E402
+from test_pipeline_edges import setup as edges_setup  # noqa: E402
 
 from odb_core.config import ProtocolConfig  # noqa: E402
 from odb_core.cost import Budget  # noqa: E402
-from odb_core.protocol import RankMachine  # noqa: E402
-from odb_core.torch.measure import LossTokens  # noqa: E402
 from odb_core.torch.pipeline import Emitted, EpochPipeline, EpochSetup, _End  # noqa: E402
 from odb_core.torch.source import Record  # noqa: E402
-from odb_core.torch.transport import LocalTransport  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -50,24 +48,7 @@ def setup(src: Iterator[Any]) -> EpochSetup:
     config = ProtocolConfig(
         world_size=1, budget=Budget(8), buffer_size=WINDOW, max_steps_per_round=1
     )
-    return EpochSetup(
-        machine=RankMachine(0, config),
-        transport=LocalTransport(),
-        source=src,
-        tag=(7,),
-        excluded=frozenset(),
-        step_offset=0,
-        collate=list,
-        cost_fn=None,
-        loss_tokens=LossTokens(),
-        id_fn=None,
-        truncate_fn=None,
-        pin=None,
-        pad_fallback=lambda: None,
-        shard=None,
-        trace_path=None,
-        step_meta=False,
-    )
+    return edges_setup(src, config=config)
 
 
 def steps_of(p: EpochPipeline) -> list[tuple[int, ...]]:
