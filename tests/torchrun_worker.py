@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from odb_core import ODBDataLoader, ODBPeerError
-from odb_core.torch.elastic import init_process_group
+from odb_core.torch.elastic import attempt_prefix, init_process_group
 
 
 def collate(batch: list[dict[str, list[int]]]) -> int:
@@ -77,7 +77,7 @@ def train(a: argparse.Namespace, loader: ODBDataLoader, tag: str, rank: int, att
     rep = loader.resume_report
     first = 0 if rep is None else rep.epoch + rep.closed
     with open(tag, "a") as log:
-        log.write(json.dumps({"start": time.time()}) + "\n")
+        log.write(json.dumps({"start": time.time(), "prefix": attempt_prefix()}) + "\n")
         if rep is not None:
             log.write(json.dumps({"resume": rep.to_dict()}) + "\n")
         for epoch in range(first, a.epochs):

@@ -20,6 +20,7 @@ alike (see odb_core.ledger). Join mode never issues it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -28,7 +29,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -435,8 +436,7 @@ class PeerBoard:
                 if counter is not None:
                     self.store.add(counter, 1)
 
-        th = threading.Thread(target=send, name="odb-board-post", daemon=True)
-        th.start()
+        th = _board_thread(send, "odb-board-post")
         if wait:
             th.join(wait)
         return th
@@ -490,11 +490,8 @@ class PeerBoard:
 
     def start_watch(self) -> None:
         if self._thread is None:
-            ref = weakref.ref(self)
-            self._thread = threading.Thread(
-                target=_watch, args=(ref, self.interval), name="odb-heartbeat", daemon=True
-            )
-            self._thread.start()
+            ref, interval = weakref.ref(self), self.interval  # no strong ref: GC ends it
+            self._thread = _board_thread(lambda: _watch(ref, interval), "odb-heartbeat")
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -518,9 +515,7 @@ class PeerBoard:
 
     def refresh(self, wait: float) -> None:
         """Read the peers' failure notes now (at most `wait` seconds)."""
-        th = threading.Thread(target=self._read_faults, name="odb-board-read", daemon=True)
-        th.start()
-        th.join(wait)
+        _board_thread(self._read_faults, "odb-board-read").join(wait)
 
     def verdict(self, store_lost: bool = True) -> ODBPeerError | None:
         with self._lock:
@@ -620,7 +615,7 @@ class PeerBoard:
 
 
 def _watch(ref: weakref.ref[PeerBoard], interval: float) -> None:
-    while True:
+    while not _exiting.is_set():
         board = ref()
         if board is None:
             return
@@ -631,4 +626,38 @@ def _watch(ref: weakref.ref[PeerBoard], interval: float) -> None:
                 board._store_lost = exc
             return
         del board
-        time.sleep(interval)
+        _exiting.wait(interval)
+
+
+# Threads that call the store (heartbeat, posts, reads) are daemons, so a rank
+# whose peers or store hang can still exit. But a store call releases the GIL in
+# C++ (pybind11's gil_scoped_release); a daemon thread that returns from it after
+# interpreter finalization began is ended by CPython with pthread_exit, whose
+# forced unwind runs through the (noexcept) ~gil_scoped_release: std::terminate,
+# "terminate called without an active exception", SIGABRT after a finished job
+# (issue 31, docs/ELASTIC.md). So they stop and are joined at exit, before
+# finalization: atexit runs before it, and this hook, registered after torch's
+# import, before torch's own hooks.
+_exiting = threading.Event()
+_store_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+EXIT_JOIN_S = 10.0  # a healthy store answers in ms; a dead one would hold exit for its timeout
+
+
+def _board_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    th = threading.Thread(target=target, name=name, daemon=True)
+    _store_threads.add(th)
+    th.start()
+    return th
+
+
+def stop_store_threads(wait: float = EXIT_JOIN_S) -> None:
+    """Stop the heartbeats and join every thread still inside a store call (at
+    most `wait` seconds in all). Runs at interpreter exit; no user call needed."""
+    _exiting.set()
+    deadline = time.monotonic() + wait
+    for th in list(_store_threads):
+        if th is not threading.current_thread():
+            th.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(stop_store_threads)
