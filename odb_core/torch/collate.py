@@ -35,6 +35,7 @@ from odb_core.errors import ConfigError
 __all__ = [
     "IGNORE_INDEX",
     "VARLEN_ATTENTION",
+    "VISUAL_KEYS",
     "check_packed_model",
     "pack_collate",
     "packed_segments",
@@ -45,6 +46,8 @@ __all__ = [
 
 IGNORE_INDEX = -100
 VARLEN_ATTENTION = "odb_varlen"
+#: Sample fields that only multimodal-RoPE packing can position (`odb_core.torch.vlm`).
+VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 def _ids_and_labels(
@@ -106,6 +109,14 @@ def pack_collate(
     loader's loss-token count, `labels[1:] != -100`, already leaves it out). With
     `use_cache_key` the batch carries `use_cache=False` for `model(**batch)`."""
     ids, labels = _ids_and_labels(samples, "pack_collate")
+    for k, s in enumerate(samples):
+        visual = [key for key in VISUAL_KEYS if s.get(key) is not None]
+        if visual:
+            raise ValueError(
+                f"pack_collate: sample {k} has {', '.join(visual)}: its image tokens need "
+                "multimodal positions, which 1-D positions restarting at 0 get wrong; use "
+                "odb_core.torch.vlm.VLMPackCollate(MRopeIndex.from_model(model))"
+            )
     packed_labels = torch.cat(labels).clone()
     start = 0
     for x in ids:
