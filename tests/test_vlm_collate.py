@@ -100,3 +100,26 @@ def test_runs_in_dataloader_workers_and_from_preprocessed_positions(model: Any) 
     # Positions computed in preprocessing (the worker's __getitem__), no rope at collation.
     pre = [{**s, "position_ids": rope(s["input_ids"], s.get("image_grid_thw"))} for s in SAMPLES]
     assert torch.equal(vlm_pack_collate(pre)["position_ids"], want["position_ids"])
+
+
+def test_check_packed_model_reads_the_text_config(model: Any) -> None:
+    """Qwen3-VL keeps use_cache=True in text_config (none at the top): packed rows
+    without use_cache=False attend across samples, and the check says so."""
+    from odb_core.errors import ConfigError
+    from odb_core.torch.collate import check_packed_model
+
+    assert model.config.text_config.use_cache
+    with pytest.raises(ConfigError, match="use_cache=True \\(from Qwen3VLTextConfig\\)"):
+        check_packed_model(model)
+    batch = vlm_pack_collate(SAMPLES, MRopeIndex.from_model(model))
+    check_packed_model(model, batch)
+    with torch.no_grad():
+        right = model(**batch).logits
+        batch.pop("use_cache")
+        crossing = model(**batch).logits
+    assert (right - crossing).abs().max() > 1e-3  # the trap the check guards is real
+    model.config.text_config.use_cache = False
+    try:
+        check_packed_model(model)
+    finally:
+        model.config.text_config.use_cache = True

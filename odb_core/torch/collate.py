@@ -286,25 +286,46 @@ def use_packed_attention(model: Any) -> Any:
     return model
 
 
+def _configs(config: Any, depth: int = 0) -> list[Any]:
+    """`config` and every config nested in it (a multimodal model's `text_config`,
+    `vision_config`, ...), found by shape: an attribute with `model_type` and
+    `to_dict`."""
+    found = [config]
+    if depth < 4:
+        for value in vars(config).values() if hasattr(config, "__dict__") else ():
+            if hasattr(value, "model_type") and hasattr(value, "to_dict"):
+                found += _configs(value, depth + 1)
+    return found
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
 def check_packed_model(model: Any, batch: Mapping[str, Any] | None = None) -> None:
     """Raise `ConfigError` if packed rows would attend across samples: a model whose
-    attention is not `"odb_varlen"` builds its per-sample mask from `position_ids`
-    only without a KV cache, so `use_cache` must be False (in the batch, or in the
-    config when the batch does not say)."""
+    (text) attention is not `"odb_varlen"` builds its per-sample mask from
+    `position_ids` only without a KV cache, so `use_cache` must be False (in the
+    batch, or, when the batch does not say, in the config and every config nested
+    in it: a multimodal model such as Qwen3-VL keeps `use_cache` in `text_config`)."""
     inner = getattr(model, "module", model)
     config = getattr(inner, "config", None)
     if config is None:
         raise ConfigError(f"{type(inner).__name__} has no .config: not a transformers model")
-    impl = getattr(config, "_attn_implementation", None)
+    impl = getattr(_text_config(config), "_attn_implementation", None)
     if impl == VARLEN_ATTENTION:
         return
     use_cache = batch.get("use_cache") if batch is not None else None
+    where = "the batch"
     if use_cache is None:
-        use_cache = getattr(config, "use_cache", False)
+        caching = [c for c in _configs(config) if getattr(c, "use_cache", False)]
+        use_cache = bool(caching)
+        where = f"{type(caching[0]).__name__}" if caching else "the config"
     if use_cache:
         raise ConfigError(
-            f"packed rows with attn_implementation={impl!r} and use_cache=True attend across "
-            "samples (transformers builds the per-sample mask from position_ids only without "
-            "a cache): pass use_cache=False (pack_collate does), set config.use_cache=False, "
-            "or call odb_core.torch.use_packed_attention(model)"
+            f"packed rows with attn_implementation={impl!r} and use_cache=True (from {where}) "
+            "attend across samples (transformers builds the per-sample mask from position_ids "
+            "only without a cache): pass use_cache=False (pack_collate does), set use_cache="
+            "False in the (text) config, or call odb_core.torch.use_packed_attention(model)"
         )
