@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from odb_core.errors import ConfigError
+from odb_core.torch.measure import VISUAL_KEYS
 
 __all__ = [
     "IGNORE_INDEX",
@@ -46,8 +47,6 @@ __all__ = [
 
 IGNORE_INDEX = -100
 VARLEN_ATTENTION = "odb_varlen"
-#: Sample fields that only multimodal-RoPE packing can position (`odb_core.torch.vlm`).
-VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 def _ids_and_labels(
