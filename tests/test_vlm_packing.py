@@ -47,14 +47,16 @@ TEXT_ONLY = [[] for _ in range(8)]
 
 
 class VLMSet(torch.utils.data.Dataset):  # type: ignore[misc]
-    def __init__(self, images: list[list[tuple[int, int]]]) -> None:
+    def __init__(self, images: list[list[tuple[int, int]]], text_extra: int = 0) -> None:
         self.images = images
+        self.text_extra = text_extra  # more prompt tokens on text-only samples
 
     def __len__(self) -> int:
         return len(self.images)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return vlm_sample(i, self.images[i], text=4 + i % 5, answer=3 + (7 * i) % 6)
+        extra = 0 if self.images[i] else self.text_extra
+        return vlm_sample(i, self.images[i], text=4 + i % 5 + extra, answer=3 + (7 * i) % 6)
 
 
 class OneDPositions:
@@ -69,11 +71,24 @@ class OneDPositions:
         return out
 
 
+#: One sample per step: both ranks text-only first (longer: the former takes the
+#: longest first), then both with images.
+TEXT_THEN_IMAGES: list[list[tuple[int, int]]] = [[], [], [(4, 4)], [(2, 4)]]
+ONE_PER_STEP = {"max_samples": 1, "shuffle": False}
+
 CASES: dict[str, dict[str, Any]] = {
-    "images_sdpa": {"images": IMAGES, "varlen": False, "broken": False},
-    "images_varlen": {"images": IMAGES, "varlen": True, "broken": False},
-    "text_only": {"images": TEXT_ONLY, "varlen": True, "broken": False},
-    "images_1d_positions": {"images": IMAGES, "varlen": True, "broken": True},
+    "images_sdpa": {"images": IMAGES, "varlen": False},
+    "images_varlen": {"images": IMAGES},
+    "text_only": {"images": TEXT_ONLY},
+    "images_1d_positions": {"images": IMAGES, "broken": True},
+    "text_then_images": {"images": TEXT_THEN_IMAGES, "loader": ONE_PER_STEP, "text_extra": 30},
+    # Last: DDP's default fails, and the ranks stop there.
+    "text_then_images_ddp_default": {
+        "images": TEXT_THEN_IMAGES,
+        "loader": ONE_PER_STEP,
+        "text_extra": 30,
+        "find_unused": False,
+    },
 }
 
 
@@ -92,63 +107,78 @@ def run_cases(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     from odb_core import ODBDataLoader
-    from odb_core.torch import causal_lm_loss, pop_step_meta
-    from odb_core.torch.collate import packed_segments, use_packed_attention
+    from odb_core.torch.collate import use_packed_attention
     from odb_core.torch.vlm import MRopeIndex, VLMPackCollate
 
     out: dict[str, Any] = {}
     grads: dict[str, list[torch.Tensor]] = {}
     for name, case in CASES.items():
         model = tiny_qwen3_vl(seed=0)
-        if case["varlen"]:
+        if case.get("varlen", True):
             use_packed_attention(model)
-        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        # A text-only batch leaves the vision tower out of the graph.
+        ddp = DistributedDataParallel(model, find_unused_parameters=case.get("find_unused", True))
         collate: Any = VLMPackCollate(MRopeIndex.from_model(model))
-        if case["broken"]:
+        if case.get("broken"):
             collate = OneDPositions(collate)
+        options = {
+            "cost_model": "packed",
+            "token_budget": 96,
+            "shuffle": True,
+            "seed": 3,
+            "deterministic": True,
+            "buffer_size": 8,
+            "max_steps_per_round": 4,
+            "peer_timeout": 60,
+            "num_workers": 0,
+            **case.get("loader", {}),
+        }
         loader = ODBDataLoader(
-            VLMSet(case["images"]),
-            collate_fn=collate,
-            cost_model="packed",
-            token_budget=96,
-            shuffle=True,
-            seed=3,
-            deterministic=True,
-            buffer_size=8,
-            max_steps_per_round=4,
-            peer_timeout=60,
-            num_workers=0,
+            VLMSet(case["images"], case.get("text_extra", 0)), collate_fn=collate, **options
         )
         loader.set_epoch(0)
         steps, grads[name] = [], []
-        for batch in loader:
-            meta = pop_step_meta(batch)
-            ids = [int(i) for i in loader.step_info.sample_ids]  # type: ignore[union-attr]
-            labels = batch.pop("labels")
-            ddp.zero_grad(set_to_none=True)
-            logits = ddp(**batch).logits
-            causal_lm_loss(meta, logits, labels).backward()
-            text_pos = batch["position_ids"]
-            text_pos = text_pos[0] if text_pos.dim() == 3 else text_pos
-            segs = packed_segments(text_pos)[0] if ids else []
-            steps.append(
-                {
-                    "ids": ids,
-                    "lengths": [e - s for s, e in segs],
-                    "losses": token_ce_sums(logits.detach(), labels, segs),
-                }
-            )
-            grads[name].append(
-                torch.cat(
-                    [
-                        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                        for p in model.parameters()
-                    ]
-                )
-            )
+        try:
+            run_epoch(loader, ddp, model, steps, grads[name])
+        except RuntimeError as exc:
+            if case.get("find_unused", True):
+                raise
+            out[name] = {"error": str(exc)}
+            break
         out[name] = steps
     torch.save(grads, Path(spec["out"], f"grads{rank}.pt"))
     return out
+
+
+def run_epoch(loader: Any, ddp: Any, model: Any, steps: list[Any], grads: list[Any]) -> None:
+    from odb_core.torch import causal_lm_loss, pop_step_meta
+    from odb_core.torch.collate import packed_segments
+
+    for batch in loader:
+        meta = pop_step_meta(batch)
+        ids = [int(i) for i in loader.step_info.sample_ids]  # type: ignore[union-attr]
+        labels = batch.pop("labels")
+        ddp.zero_grad(set_to_none=True)
+        logits = ddp(**batch).logits
+        causal_lm_loss(meta, logits, labels).backward()
+        text_pos = batch["position_ids"]
+        text_pos = text_pos[0] if text_pos.dim() == 3 else text_pos
+        segs = packed_segments(text_pos)[0] if ids else []
+        steps.append(
+            {
+                "ids": ids,
+                "lengths": [e - s for s, e in segs],
+                "losses": token_ce_sums(logits.detach(), labels, segs),
+            }
+        )
+        grads.append(
+            torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in model.parameters()
+                ]
+            )
+        )
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +226,7 @@ def reference(model: Any, dataset: VLMSet, ids: list[int]) -> tuple[torch.Tensor
 def errors(runs: dict[str, Any], name: str) -> tuple[float, float]:
     """Worst relative gradient error and worst relative per-sample loss error."""
     model = tiny_qwen3_vl(seed=0)
-    dataset = VLMSet(CASES[name]["images"])
+    dataset = VLMSet(CASES[name]["images"], CASES[name].get("text_extra", 0))
     steps = [r[name] for r in runs["steps"]]
     grad_err = loss_err = 0.0
     seen: list[int] = []
@@ -228,3 +258,17 @@ def test_one_d_positions_are_caught(runs: dict[str, Any]) -> None:
     grad_err, loss_err = errors(runs, "images_1d_positions")
     print(f"\n1-D positions: gradient {grad_err:.1e}, per-sample loss {loss_err:.1e}")
     assert grad_err > WRONG
+
+
+def test_text_only_steps_then_images_under_ddp(runs: dict[str, Any]) -> None:
+    """With find_unused_parameters=True (what docs/ADAPTERS.md says to set, and what
+    ODBHFTrainer sets for a model with a vision tower) a text-only step before an
+    image step trains exactly; DDP's default fails on the image step."""
+    steps = [r["text_then_images"] for r in runs["steps"]]
+    first = [i for r in range(WORLD) for i in steps[r][0]["ids"]]
+    assert all(not TEXT_THEN_IMAGES[i] for i in first), "the first step must be text-only"
+    grad_err, loss_err = errors(runs, "text_then_images")
+    print(f"\ntext then images: gradient {grad_err:.1e}, per-sample loss {loss_err:.1e}")
+    assert grad_err <= TOL and loss_err <= TOL
+    for r in runs["steps"]:
+        assert "Expected to have finished reduction" in r["text_then_images_ddp_default"]["error"]
