@@ -84,3 +84,38 @@ def test_truncate_through_the_loader_names_the_sample() -> None:
     assert len(batches[0]["batch"][0]["input_ids"]) == 16
     with pytest.raises(SampleError, match="sample 0: oversize='truncate' would cut"):
         list(loader([IMAGE, text], 16, oversize="truncate"))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_hf_trainer_finds_unused_parameters_for_a_vision_model(
+    tmp_path: Any, checkpointing: bool
+) -> None:
+    """ODBHFTrainer sets ddp_find_unused_parameters=True for a model with a vision
+    tower (text-only batches leave it without gradients; test_vlm_packing shows
+    DDP's default failing on 2 ranks); transformers' own default is False under
+    activation checkpointing. An explicit value stays."""
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+    from vlm_fixtures import tiny_qwen3_vl
+
+    from odb_core.integrations.hf import ODBArguments, ODBHFTrainer
+
+    def trainer(**extra: Any) -> Any:
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            report_to=[],
+            activation_checkpointing=checkpointing,
+            **extra,
+        )
+        return ODBHFTrainer(
+            model=tiny_qwen3_vl(),
+            args=args,
+            train_dataset=Samples([IMAGE]),
+            odb=ODBArguments(token_budget=64),
+        )
+
+    t = trainer()
+    assert t.args.ddp_find_unused_parameters is True
+    assert t.accelerator.ddp_handler.find_unused_parameters is True
+    assert trainer(ddp_find_unused_parameters=False).args.ddp_find_unused_parameters is False
