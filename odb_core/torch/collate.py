@@ -8,6 +8,8 @@ varlen attention for packed rows of HF causal LMs.
 
 A sample is a mapping with a 1-D `input_ids` tensor and optionally `labels`
 (default: a copy of `input_ids`), as the loader's loss-token count reads it.
+`pack_collate` refuses a sample with images (`VISUAL_KEYS`): under multimodal RoPE
+its image tokens need 3-D positions, which `odb_core.torch.vlm` gives.
 
 Attention inside each sample. A packed row has no attention mask; transformers
 5.24 then builds a per-sample (block-diagonal) mask from `position_ids`, but only
