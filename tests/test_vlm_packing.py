@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 from vlm_fixtures import tiny_qwen3_vl, vlm_sample  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.procs]
+pytestmark = [pytest.mark.torch, pytest.mark.procs, pytest.mark.slow]
 
 WORLD = 2
 TOL = 1e-6
