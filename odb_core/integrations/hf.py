@@ -64,6 +64,7 @@ from odb_core.torch.checkpoint import (
 )
 from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, zero_if_unweighted
 from odb_core.torch.plan import updates_plan
+from odb_core.torch.trainer_checks import find_unused_for_vision
 from odb_core.torch.windows import next_window
 
 __all__ = [
@@ -154,6 +155,10 @@ class ODBHFTrainer(Trainer):
         check_transformers_version()
         self.odb_args = ODBArguments.coerce(odb)
         self.odb_args.loader_options(_warned)  # owned keys fail here, not at train()
+        find_unused_for_vision(
+            kwargs.get("model", args[0] if args else None),
+            kwargs.get("args", args[1] if len(args) > 1 else None),
+        )
         super().__init__(*args, **kwargs)
         self.odb_loader: ODBDataLoader | None = None
         self.odb_window_info: list[Any] = []

@@ -8,6 +8,8 @@ varlen attention for packed rows of HF causal LMs.
 
 A sample is a mapping with a 1-D `input_ids` tensor and optionally `labels`
 (default: a copy of `input_ids`), as the loader's loss-token count reads it.
+`pack_collate` refuses a sample with images (`VISUAL_KEYS`): under multimodal RoPE
+its image tokens need 3-D positions, which `odb_core.torch.vlm` gives.
 
 Attention inside each sample. A packed row has no attention mask; transformers
 5.24 then builds a per-sample (block-diagonal) mask from `position_ids`, but only
@@ -31,10 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from odb_core.errors import ConfigError
+from odb_core.torch.measure import VISUAL_KEYS
 
 __all__ = [
     "IGNORE_INDEX",
     "VARLEN_ATTENTION",
+    "VISUAL_KEYS",
     "check_packed_model",
     "pack_collate",
     "packed_segments",
@@ -106,6 +110,14 @@ def pack_collate(
     loader's loss-token count, `labels[1:] != -100`, already leaves it out). With
     `use_cache_key` the batch carries `use_cache=False` for `model(**batch)`."""
     ids, labels = _ids_and_labels(samples, "pack_collate")
+    for k, s in enumerate(samples):
+        visual = [key for key in VISUAL_KEYS if s.get(key) is not None]
+        if visual:
+            raise ValueError(
+                f"pack_collate: sample {k} has {', '.join(visual)}: its image tokens need "
+                "multimodal positions, which 1-D positions restarting at 0 get wrong; use "
+                "odb_core.torch.vlm.VLMPackCollate(MRopeIndex.from_model(model))"
+            )
     packed_labels = torch.cat(labels).clone()
     start = 0
     for x in ids:
@@ -275,25 +287,46 @@ def use_packed_attention(model: Any) -> Any:
     return model
 
 
+def _configs(config: Any, depth: int = 0) -> list[Any]:
+    """`config` and every config nested in it (a multimodal model's `text_config`,
+    `vision_config`, ...), found by shape: an attribute with `model_type` and
+    `to_dict`."""
+    found = [config]
+    if depth < 4:
+        for value in vars(config).values() if hasattr(config, "__dict__") else ():
+            if hasattr(value, "model_type") and hasattr(value, "to_dict"):
+                found += _configs(value, depth + 1)
+    return found
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
 def check_packed_model(model: Any, batch: Mapping[str, Any] | None = None) -> None:
     """Raise `ConfigError` if packed rows would attend across samples: a model whose
-    attention is not `"odb_varlen"` builds its per-sample mask from `position_ids`
-    only without a KV cache, so `use_cache` must be False (in the batch, or in the
-    config when the batch does not say)."""
+    (text) attention is not `"odb_varlen"` builds its per-sample mask from
+    `position_ids` only without a KV cache, so `use_cache` must be False (in the
+    batch, or, when the batch does not say, in the config and every config nested
+    in it: a multimodal model such as Qwen3-VL keeps `use_cache` in `text_config`)."""
     inner = getattr(model, "module", model)
     config = getattr(inner, "config", None)
     if config is None:
         raise ConfigError(f"{type(inner).__name__} has no .config: not a transformers model")
-    impl = getattr(config, "_attn_implementation", None)
+    impl = getattr(_text_config(config), "_attn_implementation", None)
     if impl == VARLEN_ATTENTION:
         return
     use_cache = batch.get("use_cache") if batch is not None else None
+    where = "the batch"
     if use_cache is None:
-        use_cache = getattr(config, "use_cache", False)
+        caching = [c for c in _configs(config) if getattr(c, "use_cache", False)]
+        use_cache = bool(caching)
+        where = f"{type(caching[0]).__name__}" if caching else "the config"
     if use_cache:
         raise ConfigError(
-            f"packed rows with attn_implementation={impl!r} and use_cache=True attend across "
-            "samples (transformers builds the per-sample mask from position_ids only without "
-            "a cache): pass use_cache=False (pack_collate does), set config.use_cache=False, "
-            "or call odb_core.torch.use_packed_attention(model)"
+            f"packed rows with attn_implementation={impl!r} and use_cache=True (from {where}) "
+            "attend across samples (transformers builds the per-sample mask from position_ids "
+            "only without a cache): pass use_cache=False (pack_collate does), set use_cache="
+            "False in the (text) config, or call odb_core.torch.use_packed_attention(model)"
         )

@@ -155,7 +155,8 @@ class ODBDataLoader:
     Arguments beyond DataLoader's: `token_budget` (per batch, under `cost_model`: a
     `CostModel`, or a `CostKind` or its value, e.g. 'packed' or 'padded'),
     `cost_fn(sample) -> tokens | (tokens, visual_tokens[, patches])` (default:
-    `len(sample["input_ids"])` plus `sample["visual_tokens"]` if present),
+    `len(sample["input_ids"])`, which holds the expanded visual tokens, so a
+    `sample["visual_tokens"]` only splits it, never adds: odb_core.torch.measure),
     `mode` ('join' | 'quota'), `quota`, `seed` (per-epoch shuffle, same on every
     rank), `peer_timeout` (seconds before a dead or hung peer raises
     ODBPeerError), `buffer_size` (window per rank; default 1,024 samples under the

@@ -1,9 +1,20 @@
 """A processed sample's cost as the protocol sees it, its loss tokens, and
 truncation of its data.
 
-Default cost: `len(sample["input_ids"])` text tokens, plus `sample["visual_tokens"]`
-and `sample["patches"]` when present (an int or a sequence, whose length counts).
-A user `cost_fn(sample)` returns `tokens` or `(tokens, visual_tokens[, patches])`.
+Default cost: `len(sample["input_ids"])` tokens in all, visual tokens counted once.
+`input_ids` already holds a sample's visual tokens (every transformers VLM
+processor, Qwen-VL's included, expands each image placeholder into the image's
+tokens), so a `sample["visual_tokens"]` (an int or a sequence, whose length
+counts) is the part of `input_ids` that images take, never added on top: the
+Sample gets `tokens = len(input_ids) - visual_tokens` and `visual_tokens` (the
+split the Multimodal cost model weighs), and a `visual_tokens` above
+`len(input_ids)` is refused. `sample["patches"]` is read when present. A user
+`cost_fn(sample)` returns `tokens` or `(tokens, visual_tokens[, patches])`, text
+and visual apart (for a model that expands images only in its forward).
+
+Truncation (`oversize="truncate"`, `default_truncate`) cuts text fields only; it
+refuses a sample with images or videos (`VISUAL_KEYS` or `visual_tokens`), whose
+cut `input_ids` would no longer match its `pixel_values`.
 
 Loss tokens (the tokens whose loss counts, which the loss normalisation divides
 by) are measured apart from the cost: by default, for a mapping with `labels`,
@@ -27,6 +38,8 @@ LossTokensFn = Callable[[Any], object]
 
 _FIELD = "input_ids"
 _LABELS = "labels"
+#: Sample fields holding images or videos and their grids (transformers' VLM processors).
+VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 def _length(value: object) -> object:
@@ -62,12 +75,18 @@ def default_cost(sample: object, sample_id: int) -> tuple[object, object, object
             "pass cost_fn= to measure it"
         )
     visual = sample.get("visual_tokens", 0)
+    visual = visual if visual == 0 else _length(visual)
     patches = sample.get("patches", 0)
-    return (
-        tokens,
-        visual if visual == 0 else _length(visual),
-        patches if patches == 0 else _length(patches),
-    )
+    if visual != 0 and type(tokens) is int and type(visual) is int:
+        if visual > tokens:
+            raise SampleError(
+                f"sample {sample_id}: visual_tokens={visual} but {_FIELD} has {tokens} tokens; "
+                f"the default cost counts visual tokens inside {_FIELD} (as transformers' VLM "
+                "processors expand them): pass cost_fn= returning (text_tokens, visual_tokens) "
+                "if your images are expanded only in the model's forward"
+            )
+        tokens -= visual
+    return tokens, visual, patches if patches == 0 else _length(patches)
 
 
 class LossTokens:
@@ -204,11 +223,25 @@ def _measure_cost(sample: object, sample_id: int, cost_fn: CostFn | None) -> Sam
 
 def default_truncate(sample: Any, keep: int, original: int, sample_id: int) -> Any:
     """Cut every field whose length is the sample's text length to `keep` tokens
-    (input_ids, labels, attention_mask, ...); used by the `truncate` oversize policy."""
+    (input_ids, labels, attention_mask, ...); used by the `truncate` oversize policy.
+    Refuses a sample with images or videos: the cut would separate image tokens
+    from the `pixel_values` they refer to."""
     if not isinstance(sample, Mapping):
         raise SampleError(
             f"sample {sample_id}: oversize='truncate' needs truncate_fn= for a "
             f"{type(sample).__name__} sample"
+        )
+    visual = [
+        k
+        for k in (*VISUAL_KEYS, "visual_tokens")
+        if sample.get(k) is not None and not (type(sample.get(k)) is int and sample[k] == 0)
+    ]
+    if visual:
+        raise SampleError(
+            f"sample {sample_id}: oversize='truncate' would cut its input_ids to {keep} of "
+            f"{original} text tokens apart from its {', '.join(visual)} (image tokens and "
+            "pixels must stay together): raise token_budget or max_pixels, use "
+            "oversize='solo' or 'error', or pass truncate_fn= that drops whole images"
         )
     out = dict(sample)
     for key, value in sample.items():

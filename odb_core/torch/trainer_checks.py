@@ -81,3 +81,22 @@ def _check_plain_hf_trainer(loader: Any) -> None:
             )
             return
         frame = frame.f_back
+
+
+def has_vision_tower(model: Any) -> bool:
+    """A multimodal model (its config, or a wrapper's, has a `vision_config`)."""
+    inner = getattr(model, "module", model)
+    return getattr(getattr(inner, "config", None), "vision_config", None) is not None
+
+
+def find_unused_for_vision(model: Any, training_args: Any) -> None:
+    """Set `training_args.ddp_find_unused_parameters = True` for a model with a vision
+    tower when the user left it None: a text-only batch leaves the vision tower without
+    gradients, and DDP without `find_unused_parameters` then fails the next step
+    ("Expected to have finished reduction"). transformers' own default turns it off
+    under activation checkpointing, which since 5.x is non-reentrant and works with
+    it. An explicit value is the user's."""
+    if training_args is None or not has_vision_tower(model):
+        return
+    if getattr(training_args, "ddp_find_unused_parameters", False) is None:
+        training_args.ddp_find_unused_parameters = True
