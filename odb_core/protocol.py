@@ -70,6 +70,7 @@ _NEEDS_SAMPLE = frozenset({RankAction.OBSERVE, RankAction.EXHAUST})
 _FORM = frozenset({RankAction.FORM})
 _NEEDS_SAMPLE_OR_EARLY = _NEEDS_SAMPLE | {RankAction.FORM_EARLY}
 _CONTRIBUTE = frozenset({RankAction.CONTRIBUTE})
+_FORM_EARLY = frozenset({RankAction.FORM_EARLY})
 
 
 class Contribution(NamedTuple):
@@ -335,6 +336,9 @@ class RankMachine:
         self.queue: dict[int, None] = {}
         self.cursor = 0
         self.formed = False  # starved: the window was formed since it last changed
+        # Window bytes (`config.window_bytes`): each held sample's size as observed.
+        self.sizes: dict[int, int] = {}
+        self.window_bytes = 0
         if config.dynamic:
             n, w = len(config.plan), config.world_size
             start, stop = initial_slice(rank, n, w, config.target)
@@ -349,7 +353,7 @@ class RankMachine:
         k = self.config.buffer_size
         starved = self.starved
         if self.phase is RankPhase.WAITING:
-            if not self.exhausted and not starved and len(self.buffer) < k:
+            if not self.exhausted and not starved and len(self.buffer) < k and not self.byte_full:
                 return _NEEDS_SAMPLE
             return _NOTHING
         if self.phase is RankPhase.DONE:
@@ -362,6 +366,9 @@ class RankMachine:
             return _FORM
         if self.exhausted or starved:
             return _CONTRIBUTE
+        if self.byte_full and not self.formed:
+            # The spec's FormEarly with EarlyForm = 1, taken by the core, not the driver.
+            return _FORM_EARLY
         early = self.config.early_form
         if early is not None and len(self.buffer) >= early and not self.formed:
             return _NEEDS_SAMPLE_OR_EARLY
@@ -386,6 +393,12 @@ class RankMachine:
         return self.config.plan[self.cursor :]
 
     @property
+    def byte_full(self) -> bool:
+        """The window's bytes reached `config.window_bytes` (never without a bound)."""
+        bound = self.config.window_bytes
+        return bound is not None and self.window_bytes >= bound
+
+    @property
     def needs_sample(self) -> bool:
         return RankAction.OBSERVE in self.enabled()
 
@@ -404,9 +417,12 @@ class RankMachine:
 
     # ---- events --------------------------------------------------------
 
-    def observe(self, sample: Sample) -> None:
-        """A processed sample arrived from this rank's source."""
+    def observe(self, sample: Sample, nbytes: int = 0) -> None:
+        """A processed sample arrived from this rank's source; `nbytes`: its size as
+        the driver measured it (counted against `config.window_bytes`)."""
         self._require(RankAction.OBSERVE)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ProtocolError(f"sample {sample.id!r}: nbytes={nbytes!r} is not a byte count")
         if sample.id in self._seen or sample.id in self.buffer:
             raise DuplicateSampleError(
                 f"rank {self.rank}: sample id {sample.id!r} observed twice in this epoch"
@@ -421,6 +437,9 @@ class RankMachine:
         sample = self._apply_oversize_policy(sample)
         self._seen.add(sample.id)
         self.buffer[sample.id] = sample
+        if nbytes:
+            self.sizes[sample.id] = nbytes
+            self.window_bytes += nbytes
 
     def exhaust(self) -> None:
         """This rank's source has no more samples this epoch."""
@@ -445,7 +464,7 @@ class RankMachine:
                 leftovers = list(last.samples)
             self.formed = True
         self.ready.extend(batches)
-        self.buffer = {s.id: s for s in leftovers}
+        self._keep(leftovers)
         return batches
 
     def form_early(self) -> list[Batch]:
@@ -459,8 +478,15 @@ class RankMachine:
         if not leftovers:
             return []
         self.ready.extend(batches)
-        self.buffer = {s.id: s for s in leftovers}
+        self._keep(leftovers)
         return batches
+
+    def _keep(self, leftovers: Iterable[Sample]) -> None:
+        """The window becomes `leftovers` (its byte count with it)."""
+        self.buffer = {s.id: s for s in leftovers}
+        if self.sizes:
+            self.sizes = {i: n for i, n in self.sizes.items() if i in self.buffer}
+            self.window_bytes = sum(self.sizes.values())
 
     def contribute(self) -> Contribution:
         """Enter the round's collective; returns this rank's vector."""
@@ -528,7 +554,9 @@ class RankMachine:
                 return self.contribute()
             if RankAction.FORM in enabled:
                 self.form()
-            elif early is not None and RankAction.FORM_EARLY in enabled and early():
+            elif RankAction.FORM_EARLY in enabled and (
+                RankAction.OBSERVE not in enabled or (early is not None and early())
+            ):
                 self.form_early()
             elif RankAction.OBSERVE in enabled:
                 s = pull()
@@ -679,7 +707,7 @@ class RankMachine:
             raise ProtocolError(
                 f"rank {self.rank}: join-mode epoch closed with {len(carried)} samples not emitted"
             )
-        self.buffer = {}
+        self._keep(())
         self.ready.clear()
         return carried
 
