@@ -157,7 +157,8 @@ class ProtocolConfig:
     it, `RankMachine.observe(sample, nbytes)`). A window whose bytes reach it forms
     early (`RankMachine.form_early`, here the core's own choice: the fullest batch
     goes, the rest waits), and a waiting rank prefetches only below it. None: no
-    bound. Join mode and static sharding only, like early forms."""
+    bound. Join mode and static sharding only, like early forms. Not part of
+    `describe()`: a memory setting, a state saved under another bound resumes."""
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
@@ -291,8 +292,6 @@ class ProtocolConfig:
             out["assign_target"] = self.assign_target
         if self.early_form is not None:  # likewise
             out["early_form"] = self.early_form
-        if self.window_bytes is not None:  # likewise
-            out["window_bytes"] = self.window_bytes
         return out
 
 

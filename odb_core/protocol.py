@@ -336,7 +336,8 @@ class RankMachine:
         self.queue: dict[int, None] = {}
         self.cursor = 0
         self.formed = False  # starved: the window was formed since it last changed
-        # Window bytes (`config.window_bytes`): each held sample's size as observed.
+        # Window bytes (`config.window_bytes`): the size, as observed, of each sample
+        # held in the window or in a formed batch not yet emitted, and their sum.
         self.sizes: dict[int, int] = {}
         self.window_bytes = 0
         if config.dynamic:
@@ -394,7 +395,8 @@ class RankMachine:
 
     @property
     def byte_full(self) -> bool:
-        """The window's bytes reached `config.window_bytes` (never without a bound)."""
+        """The bytes held (window and batches not yet emitted) reached
+        `config.window_bytes` (never without a bound)."""
         bound = self.config.window_bytes
         return bound is not None and self.window_bytes >= bound
 
@@ -464,7 +466,7 @@ class RankMachine:
                 leftovers = list(last.samples)
             self.formed = True
         self.ready.extend(batches)
-        self._keep(leftovers)
+        self.buffer = {s.id: s for s in leftovers}
         return batches
 
     def form_early(self) -> list[Batch]:
@@ -478,15 +480,8 @@ class RankMachine:
         if not leftovers:
             return []
         self.ready.extend(batches)
-        self._keep(leftovers)
-        return batches
-
-    def _keep(self, leftovers: Iterable[Sample]) -> None:
-        """The window becomes `leftovers` (its byte count with it)."""
         self.buffer = {s.id: s for s in leftovers}
-        if self.sizes:
-            self.sizes = {i: n for i, n in self.sizes.items() if i in self.buffer}
-            self.window_bytes = sum(self.sizes.values())
+        return batches
 
     def contribute(self) -> Contribution:
         """Enter the round's collective; returns this rank's vector."""
@@ -540,6 +535,7 @@ class RankMachine:
         self,
         pull: Callable[[], Sample | None],
         early: Callable[[], bool] | None = None,
+        nbytes: Callable[[Sample], int] | None = None,
     ) -> Contribution:
         """Run local actions, pulling samples with `pull` (None = source dry),
         until the rank contributes. Adapters and the simulator use this.
@@ -547,7 +543,8 @@ class RankMachine:
         `early`: the driver's observation, asked only when FORM_EARLY is enabled
         (`ProtocolConfig.early_form`): True when the next sample is not there yet
         and waiting for the rest of the window is not worth it; the rank then
-        forms early instead of pulling."""
+        forms early instead of pulling. `nbytes`: each pulled sample's size
+        (`observe`), for the window's byte bound."""
         while True:
             enabled = self.enabled()
             if RankAction.CONTRIBUTE in enabled:
@@ -563,7 +560,7 @@ class RankMachine:
                 if s is None:
                     self.exhaust()
                 else:
-                    self.observe(s)
+                    self.observe(s, 0 if nbytes is None else nbytes(s))
             else:
                 raise ProtocolError(f"rank {self.rank}: fill() in phase {self.phase.value}")
 
@@ -663,6 +660,8 @@ class RankMachine:
             if self.ready:
                 batch: Batch | None = self.ready.popleft()
                 assert batch is not None
+                if self.sizes:
+                    self.window_bytes -= sum(self.sizes.pop(x.id, 0) for x in batch.samples)
                 local = (len(batch.samples), batch.tokens, batch.loss_tokens)
                 truncated = tuple(
                     (s.id, s.tokens) for s in batch.samples if s.id in self._truncated
@@ -707,7 +706,9 @@ class RankMachine:
             raise ProtocolError(
                 f"rank {self.rank}: join-mode epoch closed with {len(carried)} samples not emitted"
             )
-        self._keep(())
+        self.buffer = {}
+        self.sizes.clear()
+        self.window_bytes = 0
         self.ready.clear()
         return carried
 

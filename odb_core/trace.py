@@ -59,6 +59,8 @@ def protocol_to_dict(cfg: ProtocolConfig) -> dict[str, Any]:
         out["plan"] = list(cfg.plan)
     if cfg.carried:
         out["carried"] = sorted(cfg.carried)
+    if cfg.window_bytes is not None:
+        out["window_bytes"] = cfg.window_bytes
     return out
 
 

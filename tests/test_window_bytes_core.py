@@ -132,17 +132,29 @@ def test_the_bound_narrows_the_window_and_a_broken_machine_that_ignores_it_is_ca
     assert broken > 25 - 1 + 10  # the whole window of 12 (120 bytes)
 
 
-def test_a_waiting_rank_prefetches_only_below_the_bound() -> None:
-    m = RankMachine(0, _config(1, 8, 20))
-    m.observe(Sample(0, 8), 10)  # one full batch: the window is not byte-full yet
-    m.observe(Sample(1, 8), 10)
+def test_a_byte_full_window_forms_early_and_counts_its_batches_until_emitted() -> None:
+    m = RankMachine(0, _config(1, 8, 30))
+    for i in range(3):  # one sample per batch (8 tokens of a budget of 8), 10 bytes each
+        assert RankAction.FORM_EARLY not in m.enabled()
+        m.observe(Sample(i, 8), 10)
     assert m.enabled() == {RankAction.FORM_EARLY}  # byte-full: the core forms
     assert [s.id for b in m.form_early() for s in b.samples] == [0]
-    assert m.window_bytes == 10
+    assert m.window_bytes == 30  # the formed batch is held until its step
+    c = m.contribute()
+    assert not m.needs_sample  # no prefetch at the bound
+    m.all_gather([c])
+    assert m.window_bytes == 20 and m.needs_sample  # formed once: the next sample
+
+
+def test_a_waiting_rank_prefetches_only_below_the_bound() -> None:
+    m = RankMachine(0, _config(1, 2, 25))
+    m.observe(Sample(0, 8), 10)
+    m.observe(Sample(1, 8), 10)
+    m.form()  # a full window of 2: one batch ready, the open one kept
     m.contribute()
-    assert m.needs_sample  # 10 < 20: prefetch while the collective is in flight
+    assert m.needs_sample  # 20 < 25: prefetch while the collective is in flight
     m.observe(Sample(2, 8), 10)
-    assert not m.needs_sample  # byte-full: it waits for the round
+    assert not m.needs_sample  # 30: it waits for the round
 
 
 def test_no_bound_keeps_the_machine_as_it_was() -> None:
