@@ -53,7 +53,7 @@ class HeldBytes:
         self._unnamed += 1
         self.bytes += n
         self._arrivals += 1
-        held = len(self.sizes) + self._unnamed
+        held = self.samples
         self._peak_bytes = max(self._peak_bytes, self.bytes)
         self._peak_samples = max(self._peak_samples, held)
         self._sum_bytes += self.bytes
@@ -76,6 +76,10 @@ class HeldBytes:
         self.sizes.clear()
         self._unnamed = 0
         self.bytes = 0
+
+    @property
+    def samples(self) -> int:
+        return len(self.sizes) + self._unnamed
 
     @property
     def full(self) -> bool:
@@ -115,7 +119,7 @@ def shared_memory_error(
     bound = "unbounded" if held.bound is None else f"window_bytes={held.bound:,}"
     return SharedMemoryError(
         f"ODBDataLoader rank {rank}: the DataLoader workers ran out of shared memory "
-        f"(/dev/shm) while the loader held {len(held.sizes)} preprocessed samples, "
+        f"(/dev/shm) while the loader held {held.samples} preprocessed samples, "
         f"{held.bytes:,} bytes ({bound}). Lower window_bytes= (the window's byte bound), "
         f"or samples_per_fetch= ({samples_per_fetch}) / prefetch_factor= / num_workers=, "
         "or give the container more shared memory (docker run --shm-size=...). "
