@@ -18,6 +18,8 @@ from odb_core.errors import ConfigError
 from odb_core.protocol import Contribution, RankAction, RankMachine, RankPhase
 from odb_core.sample import Sample
 from odb_core.trace import ProtocolTrace, TracingRankMachine
+from odb_core.verify.checker import check
+from odb_core.verify.model import ModelConfig, round_robin_shards
 from odb_core.verify.trace import validate_trace
 
 
@@ -186,3 +188,19 @@ def test_a_negative_size_is_refused() -> None:
     m = RankMachine(0, _config(1, 4, 10))
     with pytest.raises(Exception, match="nbytes=-1"):
         m.observe(Sample(0, 1), -1)
+
+
+def test_every_interleaving_of_the_spec_with_early_form_one_keeps_every_guarantee() -> None:
+    """What the byte bound's forms are checked against: a byte-full form is a
+    FormEarly at any window of at least one sample (EarlyForm = 1), at two ranks."""
+    protocol = ProtocolConfig(
+        world_size=2,
+        budget=Budget(4),
+        cost_model=PaddedTokens(),
+        buffer_size=3,
+        max_steps_per_round=2,
+        early_form=1,
+    )
+    r = check(ModelConfig(protocol, round_robin_shards([1, 3, 2, 2, 3, 1], 2)))
+    assert r.complete and r.ok, [v.to_json() for v in r.violations]
+    assert r.deadlocks == 0 and r.acyclic and r.max_steps_seen <= r.steps_bound
