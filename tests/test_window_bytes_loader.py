@@ -23,6 +23,7 @@ from guards import HANG_GUARD_S
 torch = pytest.importorskip("torch")
 
 import gloo_ranks  # noqa: E402
+from test_tlc import require_tlc  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
@@ -34,6 +35,7 @@ from odb_core.torch.held import (  # noqa: E402
     tensor_bytes,
 )
 from odb_core.torch.options import DEFAULT_WINDOW_BYTES, LoaderOptions  # noqa: E402
+from odb_core.verify.tlc import validate_trace_tlc  # noqa: E402
 from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -111,8 +113,17 @@ def assert_within_bound(results: list[dict[str, Any]], bound: int) -> None:
         )
 
 
-def test_two_gloo_ranks_keep_the_window_under_its_byte_bound(tmp_path: Path) -> None:
-    results = launch({"window_bytes": BOUND, "trace_dir": str(tmp_path / "trace")}, tmp_path)
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    out = tmp_path_factory.mktemp("bounded")
+    results = launch({"window_bytes": BOUND, "trace_dir": str(out / "trace")}, out)
+    return results, out / "trace"
+
+
+def test_two_gloo_ranks_keep_the_window_under_its_byte_bound(
+    bounded: tuple[list[dict[str, Any]], Path], tmp_path: Path
+) -> None:
+    results, traces = bounded
     a, b = results
     assert a["steps"] == b["steps"] == list(range(len(a["steps"])))
     ids = a["ids"] + b["ids"]
@@ -123,7 +134,7 @@ def test_two_gloo_ranks_keep_the_window_under_its_byte_bound(tmp_path: Path) -> 
         assert s["window_bytes_bound"] == BOUND
         assert s["window_bytes_peak"] >= BOUND // 2  # the bound was met, not idle
         assert 0 < s["window_samples_mean"] <= s["window_samples_peak"]
-    trace = ProtocolTrace.merge(sorted((tmp_path / "trace").glob("*.json")))
+    trace = ProtocolTrace.merge(sorted(traces.glob("*.json")))
     assert trace.protocol["window_bytes"] == BOUND
     assert all(any(e["action"] == "FormEarly" for e in rt.events) for rt in trace.ranks)
     report = validate_trace(trace)
@@ -134,6 +145,15 @@ def test_two_gloo_ranks_keep_the_window_under_its_byte_bound(tmp_path: Path) -> 
     assert all(r["stats"]["window_bytes_bound"] is None for r in broken)
     with pytest.raises(AssertionError, match="plus one fetch"):
         assert_within_bound(broken, BOUND)
+
+
+@pytest.mark.tlc
+def test_the_byte_bounded_trace_passes_the_tlc_trace_check(
+    bounded: tuple[list[dict[str, Any]], Path],
+) -> None:
+    require_tlc()
+    report = validate_trace_tlc(ProtocolTrace.merge(sorted(bounded[1].glob("*.json"))))
+    assert report.ok, report.reason
 
 
 def test_a_worker_out_of_shared_memory_names_the_loader_its_bytes_and_the_setting() -> None:
