@@ -152,6 +152,13 @@ class ProtocolConfig:
     nothing ready and its driver sees the next sample is not there yet; it emits
     only the fullest batch and keeps the rest). None: a rank forms only a full
     window or a dry source's rest. Join mode and static sharding only."""
+    window_bytes: int | None = None
+    """A bound on the bytes of the window (each sample's size as its driver measured
+    it, `RankMachine.observe(sample, nbytes)`). A window whose bytes reach it forms
+    early (`RankMachine.form_early`, here the core's own choice: the fullest batch
+    goes, the rest waits), and a waiting rank prefetches only below it. None: no
+    bound. Join mode and static sharding only, like early forms. Not part of
+    `describe()`: a memory setting, a state saved under another bound resumes."""
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
@@ -222,6 +229,14 @@ class ProtocolConfig:
                 raise ConfigError(
                     f"early_form={self.early_form!r} needs mode='join' and sharding='static' "
                     f"(got mode={self.mode.value!r}, sharding={self.sharding.value!r})"
+                )
+        if self.window_bytes is not None:
+            _positive_int("window_bytes", self.window_bytes)
+            if self.mode is not Mode.JOIN or self.dynamic:
+                raise ConfigError(
+                    f"window_bytes={self.window_bytes!r} needs mode='join' and "
+                    f"sharding='static' (got mode={self.mode.value!r}, "
+                    f"sharding={self.sharding.value!r})"
                 )
 
     @property

@@ -70,6 +70,7 @@ _NEEDS_SAMPLE = frozenset({RankAction.OBSERVE, RankAction.EXHAUST})
 _FORM = frozenset({RankAction.FORM})
 _NEEDS_SAMPLE_OR_EARLY = _NEEDS_SAMPLE | {RankAction.FORM_EARLY}
 _CONTRIBUTE = frozenset({RankAction.CONTRIBUTE})
+_FORM_EARLY = frozenset({RankAction.FORM_EARLY})
 
 
 class Contribution(NamedTuple):
@@ -335,6 +336,10 @@ class RankMachine:
         self.queue: dict[int, None] = {}
         self.cursor = 0
         self.formed = False  # starved: the window was formed since it last changed
+        # Window bytes (`config.window_bytes`): the size, as observed, of each sample
+        # held in the window or in a formed batch not yet emitted, and their sum.
+        self.sizes: dict[int, int] = {}
+        self.window_bytes = 0
         if config.dynamic:
             n, w = len(config.plan), config.world_size
             start, stop = initial_slice(rank, n, w, config.target)
@@ -349,7 +354,7 @@ class RankMachine:
         k = self.config.buffer_size
         starved = self.starved
         if self.phase is RankPhase.WAITING:
-            if not self.exhausted and not starved and len(self.buffer) < k:
+            if not self.exhausted and not starved and len(self.buffer) < k and not self.byte_full:
                 return _NEEDS_SAMPLE
             return _NOTHING
         if self.phase is RankPhase.DONE:
@@ -362,6 +367,9 @@ class RankMachine:
             return _FORM
         if self.exhausted or starved:
             return _CONTRIBUTE
+        if self.byte_full and not self.formed:
+            # The spec's FormEarly with EarlyForm = 1, taken by the core, not the driver.
+            return _FORM_EARLY
         early = self.config.early_form
         if early is not None and len(self.buffer) >= early and not self.formed:
             return _NEEDS_SAMPLE_OR_EARLY
@@ -386,6 +394,13 @@ class RankMachine:
         return self.config.plan[self.cursor :]
 
     @property
+    def byte_full(self) -> bool:
+        """The bytes held (window and batches not yet emitted) reached
+        `config.window_bytes` (never without a bound)."""
+        bound = self.config.window_bytes
+        return bound is not None and self.window_bytes >= bound
+
+    @property
     def needs_sample(self) -> bool:
         return RankAction.OBSERVE in self.enabled()
 
@@ -404,9 +419,12 @@ class RankMachine:
 
     # ---- events --------------------------------------------------------
 
-    def observe(self, sample: Sample) -> None:
-        """A processed sample arrived from this rank's source."""
+    def observe(self, sample: Sample, nbytes: int = 0) -> None:
+        """A processed sample arrived from this rank's source; `nbytes`: its size as
+        the driver measured it (counted against `config.window_bytes`)."""
         self._require(RankAction.OBSERVE)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ProtocolError(f"sample {sample.id!r}: nbytes={nbytes!r} is not a byte count")
         if sample.id in self._seen or sample.id in self.buffer:
             raise DuplicateSampleError(
                 f"rank {self.rank}: sample id {sample.id!r} observed twice in this epoch"
@@ -421,6 +439,9 @@ class RankMachine:
         sample = self._apply_oversize_policy(sample)
         self._seen.add(sample.id)
         self.buffer[sample.id] = sample
+        if nbytes:
+            self.sizes[sample.id] = nbytes
+            self.window_bytes += nbytes
 
     def exhaust(self) -> None:
         """This rank's source has no more samples this epoch."""
@@ -514,6 +535,7 @@ class RankMachine:
         self,
         pull: Callable[[], Sample | None],
         early: Callable[[], bool] | None = None,
+        nbytes: Callable[[Sample], int] | None = None,
     ) -> Contribution:
         """Run local actions, pulling samples with `pull` (None = source dry),
         until the rank contributes. Adapters and the simulator use this.
@@ -521,21 +543,24 @@ class RankMachine:
         `early`: the driver's observation, asked only when FORM_EARLY is enabled
         (`ProtocolConfig.early_form`): True when the next sample is not there yet
         and waiting for the rest of the window is not worth it; the rank then
-        forms early instead of pulling."""
+        forms early instead of pulling. `nbytes`: each pulled sample's size
+        (`observe`), for the window's byte bound."""
         while True:
             enabled = self.enabled()
             if RankAction.CONTRIBUTE in enabled:
                 return self.contribute()
             if RankAction.FORM in enabled:
                 self.form()
-            elif early is not None and RankAction.FORM_EARLY in enabled and early():
+            elif RankAction.FORM_EARLY in enabled and (
+                RankAction.OBSERVE not in enabled or (early is not None and early())
+            ):
                 self.form_early()
             elif RankAction.OBSERVE in enabled:
                 s = pull()
                 if s is None:
                     self.exhaust()
                 else:
-                    self.observe(s)
+                    self.observe(s, 0 if nbytes is None else nbytes(s))
             else:
                 raise ProtocolError(f"rank {self.rank}: fill() in phase {self.phase.value}")
 
@@ -635,6 +660,8 @@ class RankMachine:
             if self.ready:
                 batch: Batch | None = self.ready.popleft()
                 assert batch is not None
+                if self.sizes:
+                    self.window_bytes -= sum(self.sizes.pop(x.id, 0) for x in batch.samples)
                 local = (len(batch.samples), batch.tokens, batch.loss_tokens)
                 truncated = tuple(
                     (s.id, s.tokens) for s in batch.samples if s.id in self._truncated
@@ -680,6 +707,8 @@ class RankMachine:
                 f"rank {self.rank}: join-mode epoch closed with {len(carried)} samples not emitted"
             )
         self.buffer = {}
+        self.sizes.clear()
+        self.window_bytes = 0
         self.ready.clear()
         return carried
 

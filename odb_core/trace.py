@@ -59,6 +59,8 @@ def protocol_to_dict(cfg: ProtocolConfig) -> dict[str, Any]:
         out["plan"] = list(cfg.plan)
     if cfg.carried:
         out["carried"] = sorted(cfg.carried)
+    if cfg.window_bytes is not None:
+        out["window_bytes"] = cfg.window_bytes
     return out
 
 
@@ -79,6 +81,7 @@ def protocol_from_dict(d: dict[str, Any]) -> ProtocolConfig:
         tokens_per_update=d.get("tokens_per_update"),
         carried=frozenset(int(i) for i in d.get("carried", ())),
         early_form=d.get("early_form"),
+        window_bytes=d.get("window_bytes"),
         sharding=d.get("sharding", "static"),
         plan=tuple(int(i) for i in d.get("plan", ())),
         assign_target=d.get("assign_target"),
@@ -129,8 +132,8 @@ class TracingRankMachine(RankMachine):
             self.trace.scales = []
         self.trace.scales.extend(float(s.loss_scale) for s in steps)
 
-    def observe(self, sample: Sample) -> None:
-        super().observe(sample)
+    def observe(self, sample: Sample, nbytes: int = 0) -> None:
+        super().observe(sample, nbytes)
         self.trace.events.append({"action": "Observe", "sample": list(sample)})
 
     def exhaust(self) -> None:

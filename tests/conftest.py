@@ -48,6 +48,7 @@ PROCS = frozenset(
         "test_torch_distributed",
         "test_torch_dynamic",
         "test_torch_early",
+        "test_window_bytes_loader",
         "test_torchrun_nodes",
         "test_torchrun_restart",
     }

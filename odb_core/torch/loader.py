@@ -188,7 +188,12 @@ class ODBDataLoader:
     your dataset on it when num_workers=0. Batch composition then depends on
     when samples arrive: every sample is still emitted exactly once and every rank
     runs the same steps, but a run is not reproducible batch for batch, so it
-    excludes deterministic=True).
+    excludes deterministic=True), `window_bytes` (join mode and static sharding:
+    a bound on the tensor bytes of the preprocessed samples a rank holds in its
+    window and formed batches; a window that reaches it emits its fullest batch
+    before it takes another sample; default `DEFAULT_WINDOW_BYTES`, 1 GiB, which
+    text-only windows never reach; 0: no bound; `epoch_stats.window_bytes_peak`
+    and friends report what the loader held).
     """
 
     _odb_seq = 0  # which loader of this process (set by _announce_failure)
@@ -214,6 +219,7 @@ class ODBDataLoader:
         max_patches: int | None = None,
         early_form: int | None = None,
         early_form_wait: float = 0.25,
+        window_bytes: int | None = None,
         loss_normalization: LossNormalization | str = LossNormalization.TOKENS,
         deterministic: bool = False,
         shuffle: bool = False,
@@ -273,6 +279,7 @@ class ODBDataLoader:
             tokens_per_update=tokens_per_update,
             sharding=sharding,  # type: ignore[arg-type]
             early_form=early_form,
+            window_bytes=self.options.window_bound(),
         )
         if self.config.dynamic and (iterable or id_fn is not None or not partition):
             raise ConfigError(
@@ -459,6 +466,7 @@ class ODBDataLoader:
                 replay_ids=replay_ids,
                 restart=self._restart_source if config.dynamic else None,
                 early_form_wait=self.early_form_wait if config.early_form else None,
+                fetch=self.options.workers.samples_per_fetch,
             )
             self._workers_started = self.num_workers > 0
             self._pipeline = EpochPipeline(setup, threaded=self.prefetch_thread)

@@ -30,6 +30,7 @@ from odb_core.formers import FormerKind
 from odb_core.torch.measure import CostFn, LossTokensFn, TruncateFn
 
 __all__ = [
+    "DEFAULT_WINDOW_BYTES",
     "BatchOptions",
     "EpochOptions",
     "LoaderOptions",
@@ -37,6 +38,12 @@ __all__ = [
     "OutputOptions",
     "WorkerOptions",
 ]
+
+
+DEFAULT_WINDOW_BYTES = 1 << 30
+"""The window's byte bound when none is given (join mode, static sharding): the
+preprocessed samples a rank holds, in tensor bytes (benchmarks/window_bytes.py,
+docs/ADAPTERS.md). Text-only windows stay far below it."""
 
 
 def _value(x: Any) -> Any:
@@ -62,11 +69,14 @@ class BatchOptions:
     max_patches: int | None = None
     early_form: int | None = None
     early_form_wait: float = 0.25
+    window_bytes: int | None = None
     # The rest are checked by ProtocolConfig, which the loader builds from them.
 
     def __post_init__(self) -> None:
         if self.early_form is not None:
             _count("early_form", self.early_form, least=1)
+        if self.window_bytes is not None:
+            _count("window_bytes", self.window_bytes)
         w = self.early_form_wait
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ConfigError(f"early_form_wait={w!r} must be a finite number of seconds >= 0")
@@ -215,7 +225,26 @@ class LoaderOptions:
             raise ConfigError(f"unknown ODBDataLoader option(s) {sorted(unknown)}")
         out = cls(peer_timeout=peer_timeout, **groups)
         out._check_early_form()
+        out.window_bound()
         return out
+
+    def window_bound(self) -> int | None:
+        """`ProtocolConfig.window_bytes`: `window_bytes=`, or DEFAULT_WINDOW_BYTES
+        when it is None in join mode with static sharding (the core bounds bytes
+        only there); 0 means no bound. A bound given for quota mode or dynamic
+        sharding raises ConfigError."""
+        given = self.batch.window_bytes
+        e = self.epoch
+        other = e.quota_mode or _value(e.sharding) == Sharding.DYNAMIC.value
+        if given is None:
+            return None if other else DEFAULT_WINDOW_BYTES
+        if given and other:
+            raise ConfigError(
+                f"window_bytes={given!r} needs mode='join' and sharding='static' (got "
+                f"mode={_value(e.mode)!r}, sharding={_value(e.sharding)!r}); leave it "
+                "unset there"
+            )
+        return given or None
 
     def _check_early_form(self) -> None:
         """Early forms (issue 24): join mode, static sharding, a partial window, a

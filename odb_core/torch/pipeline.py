@@ -78,6 +78,7 @@ from odb_core.protocol import (
     _truncated_tokens,
 )
 from odb_core.sample import Sample
+from odb_core.torch.held import HeldBytes, shared_memory_error, tensor_bytes
 from odb_core.torch.lookahead import LookAhead, early_form_decision
 from odb_core.torch.measure import CostFn, LossTokens, TruncateFn, default_truncate, measure
 from odb_core.torch.meta import StepMeta, attach_context, with_meta
@@ -111,6 +112,12 @@ class EpochStats(NamedTuple):
     rank). `collective_stall_s`: time the training loop waited for a batch while
     the protocol thread was blocked in an all-gather. `stall_s`: all the time the
     loop waited for a batch.
+
+    `window_bytes_*` / `window_samples_*`: the preprocessed samples the loader held,
+    from their arrival from the workers to their batch's collation (read ahead, in
+    the window, in formed batches), in tensor bytes and in samples: the peak and the
+    mean over the moments a sample arrived; `window_bytes_bound` is the configured
+    `window_bytes` (None: unbounded). See torch/held.py.
     """
 
     rounds: int
@@ -118,6 +125,11 @@ class EpochStats(NamedTuple):
     round_wait_s: tuple[float, ...]
     collective_stall_s: float
     stall_s: float
+    window_bytes_peak: int = 0
+    window_bytes_mean: float = 0.0
+    window_samples_peak: int = 0
+    window_samples_mean: float = 0.0
+    window_bytes_bound: int | None = None
 
 
 class _End(NamedTuple):
@@ -155,6 +167,7 @@ class EpochSetup:
     # Early forms: the seconds the rest of the window may take before the rank forms
     # early (the source is then a LookAhead); None: off.
     early_form_wait: float | None = None
+    fetch: int = 8  # samples per worker round trip (named in the shared-memory error)
 
 
 class PadTemplate:
@@ -189,6 +202,8 @@ class EpochPipeline:
         self._released: list[int] = []  # steps released by rounds 0..q, cumulative
         self._stopping = False
         self._pending: deque[Record] = deque()
+        self._pending_sizes: deque[int] = deque()  # tensor bytes of each pending record
+        self._held = HeldBytes(setup.machine.config.window_bytes)
         self._source_ended = False  # the source returned its end (read ahead, or by _pull)
         self._read_error: Exception | None = None  # raised by the source while reading ahead
         # Set whenever the protocol thread blocks at the gate with nothing to read ahead.
@@ -238,10 +253,13 @@ class EpochPipeline:
                 try:
                     item = self._wait_item()
                 except Exception as error:  # e.g. torch's "worker exited unexpectedly"
-                    self._fail(_Failure(error))
+                    shm = self._explain(error)
+                    self._fail(_Failure(shm))
                     flush = getattr(self.s.transport, "flush", None)
                     if callable(flush):
                         flush(1.0)
+                    if shm is not error:
+                        raise shm from error
                     raise
                 self._stall_spans.append((start, time.perf_counter()))
         else:
@@ -314,7 +332,7 @@ class EpochPipeline:
         except StopIteration as stop:
             final = stop.value
         except BaseException as exc:
-            final = _Failure(exc)
+            final = _Failure(self._explain(exc))
         if isinstance(final, _Failure):
             self._fail(final)
         final = self._finish(final)
@@ -374,7 +392,7 @@ class EpochPipeline:
         except StopIteration as stop:
             final = stop.value
         except BaseException as exc:
-            final = _Failure(exc)
+            final = _Failure(self._explain(exc))
         if isinstance(final, _Failure):
             # Hand the failure over first: the inner loader's workers shut down after.
             self._fail(final)
@@ -386,6 +404,17 @@ class EpochPipeline:
         # Last: once the loop sees the end, the process may exit at once.
         self._queue.put(final)
         del final
+
+    def _explain(self, exc: BaseException) -> BaseException:
+        """torch's out-of-shared-memory failures as the loader's own error, naming
+        what it held and the settings to change (torch/held.py); others unchanged."""
+        shm = shared_memory_error(
+            exc, rank=self.s.machine.rank, held=self._held, samples_per_fetch=self.s.fetch
+        )
+        if shm is None:
+            return exc
+        shm.__cause__ = exc
+        return shm
 
     def _fail(self, failure: _Failure) -> None:
         if self._stopping and isinstance(failure.exc, ODBError):
@@ -442,7 +471,7 @@ class EpochPipeline:
     def _read_ahead_room(self) -> int:
         """Records the next fill will take that the pipeline does not hold yet: the
         window's free room, less what is already read ahead (0 once the source ended)."""
-        if self._source_ended:
+        if self._source_ended or self._held.full:
             return 0
         m = self.s.machine
         return m.config.buffer_size - len(m.buffer) - len(self._pending)
@@ -464,7 +493,15 @@ class EpochPipeline:
         if chunk is None:
             self._source_ended = True
             return
-        self._pending.extend(unpack(chunk) if isinstance(chunk, Packed) else chunk)
+        self._arrive(chunk)
+
+    def _arrive(self, chunk: list[Record] | Packed) -> None:
+        """Records from the source: pending, each measured once (torch/held.py)."""
+        for rec in unpack(chunk) if isinstance(chunk, Packed) else chunk:
+            n = 0 if isinstance(rec, LoadFailure) else tensor_bytes(rec[1])
+            self._pending.append(rec)
+            self._pending_sizes.append(n)
+            self._held.arrive(n)
 
     def _rounds(self) -> Generator[Emitted, None, _End | _Failure]:
         m, t = self.s.machine, self.s.transport
@@ -476,7 +513,7 @@ class EpochPipeline:
         r = 0
         try:
             while self._gate(r):
-                c = m.fill(self._pull, early)
+                c = m.fill(self._pull, early, self._nbytes)
                 gathering = self._in_flight = t.start(
                     (*self.s.tag, r), c.to_vector(steps_per_round, dynamic)
                 )
@@ -487,7 +524,7 @@ class EpochPipeline:
                     if sample is None:
                         m.exhaust()
                     else:
-                        m.observe(sample)
+                        m.observe(sample, self._nbytes(sample))
                 start = time.perf_counter()
                 try:
                     rows = gathering.wait()
@@ -563,6 +600,7 @@ class EpochPipeline:
         for s in info.batch.samples:
             self._cut.pop(s.id, None)
             self._pad.offer(self._raw.pop(s.id), s.length)
+            self._held.release(s.id)
             self._replayed.add(s.id)
 
     def _check_replay(self) -> None:
@@ -590,6 +628,7 @@ class EpochPipeline:
             round_wait_s=tuple(b - a for a, b in spans),
             collective_stall_s=_overlap(spans, stalls),
             stall_s=sum(b - a for a, b in stalls),
+            **self._held.stats(),
         )
 
     def _early(self) -> bool:
@@ -622,23 +661,31 @@ class EpochPipeline:
                     self.s.source = self.s.restart(dealt)
                     self._source_ended = False
                     continue
-                self._pending.extend(unpack(chunk) if isinstance(chunk, Packed) else chunk)
+                self._arrive(chunk)
                 continue
             rec = self._pending.popleft()
+            n = self._pending_sizes.popleft()
             self._delivered += 1
             if isinstance(rec, LoadFailure):
+                self._held.forget(n)
                 raise SampleLoadError(rec)
             sid, raw = rec
             if self.s.id_fn is not None:
                 sid = _as_id(self.s.id_fn(raw), sid)
             if sid in self.s.excluded:
+                self._held.forget(n)
                 self._skipped_ids.append(sid)
                 continue
+            self._held.name(sid, n)
             sample = measure(raw, sid, self.s.cost_fn, self.s.loss_tokens)
             if self.s.machine.config.oversize is OversizePolicy.TRUNCATE:
                 raw, sample = self._truncate(raw, sample)
             self._raw[sid] = raw
             return sample
+
+    def _nbytes(self, sample: Sample) -> int:
+        """The size the core counts against `window_bytes`: as measured on arrival."""
+        return self._held.sizes.get(sample.id, 0)
 
     def _newly_dealt(self) -> list[int]:
         """Dynamic sharding: the ids the core dealt this rank since its source was
@@ -682,6 +729,7 @@ class EpochPipeline:
                         f"protocol kept {s.tokens}"
                     )
                 raw = self._raw.pop(s.id)
+                self._held.release(s.id)
                 self._pad.offer(raw, s.length)
                 raws.append(raw)
             batch = self.s.collate(raws)
@@ -699,6 +747,7 @@ class EpochPipeline:
         the order the next epoch takes them in."""
         self._raw.clear()
         self._cut.clear()
+        self._held.clear()
         m = self.s.machine
         if m.config.dynamic:
             # What the close carries, the ids dealt to this rank and never read, and

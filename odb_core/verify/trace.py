@@ -108,6 +108,10 @@ def trace_model(trace: ProtocolTrace) -> tuple[ModelConfig, dict[int, int]]:
     if protocol.carried:  # carried ids are named like the samples: renumber them too
         carried = frozenset(id_map[i] for i in protocol.carried if i in id_map)
         protocol = replace(protocol, carried=carried)
+    if protocol.window_bytes is not None and protocol.buffer_size > 1:
+        # The trace records no sizes: a byte-bounded run is a behaviour of the spec
+        # with EarlyForm = 1 (each byte-full form is a FormEarly it allows).
+        protocol = replace(protocol, window_bytes=None, early_form=1)
     return ModelConfig(protocol, shards), id_map
 
 

@@ -1,0 +1,127 @@
+"""What the loader holds in host memory: the size of each preprocessed sample, the
+tally of the samples it holds between their arrival and their collation, and the
+error when the workers' shared memory runs out.
+
+A preprocessed VLM sample carries megabytes of `pixel_values`; DataLoader workers
+hand it over through shared memory, so what the loader holds sits in /dev/shm,
+outside every process's RSS. The loader measures each sample once, as it arrives
+(`tensor_bytes`), counts it until its batch is collated (`HeldBytes`), and the core
+bounds the window by those counts (`ProtocolConfig.window_bytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from odb_core.errors import ODBError
+
+__all__ = ["HeldBytes", "SharedMemoryError", "shared_memory_error", "tensor_bytes"]
+
+
+def tensor_bytes(raw: Any) -> int:
+    """Bytes of the tensors and arrays in a sample (nested in dicts, lists and
+    tuples); other values count 0."""
+    if isinstance(raw, torch.Tensor):
+        return raw.numel() * raw.element_size()
+    if isinstance(raw, Mapping):
+        return sum(tensor_bytes(v) for v in raw.values())
+    if isinstance(raw, (list, tuple)):
+        return sum(tensor_bytes(v) for v in raw)
+    nbytes = getattr(raw, "nbytes", None)  # numpy arrays, without importing numpy
+    return nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else 0
+
+
+class HeldBytes:
+    """The running tally of held samples by id, with peak and mean."""
+
+    def __init__(self, bound: int | None) -> None:
+        self.bound = bound
+        self.sizes: dict[int, int] = {}
+        self.bytes = 0
+        self._peak_bytes = 0
+        self._peak_samples = 0
+        self._sum_bytes = 0
+        self._sum_samples = 0
+        self._arrivals = 0
+        self._unnamed = 0  # arrived, not yet held under their id
+
+    def arrive(self, n: int) -> None:
+        """A sample of `n` bytes came from the source (not yet named)."""
+        self._unnamed += 1
+        self.bytes += n
+        self._arrivals += 1
+        held = self.samples
+        self._peak_bytes = max(self._peak_bytes, self.bytes)
+        self._peak_samples = max(self._peak_samples, held)
+        self._sum_bytes += self.bytes
+        self._sum_samples += held
+
+    def name(self, sample_id: int, n: int) -> None:
+        """An arrived sample is held under its id (until `release`)."""
+        self._unnamed -= 1
+        self.sizes[sample_id] = self.sizes.get(sample_id, 0) + n
+
+    def forget(self, n: int) -> None:
+        """An arrived sample is dropped before it is named (skipped, failed)."""
+        self._unnamed -= 1
+        self.bytes -= n
+
+    def release(self, sample_id: int) -> None:
+        self.bytes -= self.sizes.pop(sample_id, 0)
+
+    def clear(self) -> None:
+        self.sizes.clear()
+        self._unnamed = 0
+        self.bytes = 0
+
+    @property
+    def samples(self) -> int:
+        return len(self.sizes) + self._unnamed
+
+    @property
+    def full(self) -> bool:
+        return self.bound is not None and self.bytes >= self.bound
+
+    def stats(self) -> dict[str, Any]:
+        """`EpochStats`' window fields: peaks and means over the moments a sample
+        arrived, and the bound."""
+        n = max(self._arrivals, 1)
+        return {
+            "window_bytes_peak": self._peak_bytes,
+            "window_bytes_mean": self._sum_bytes / n,
+            "window_samples_peak": self._peak_samples,
+            "window_samples_mean": self._sum_samples / n,
+            "window_bytes_bound": self.bound,
+        }
+
+
+class SharedMemoryError(ODBError, RuntimeError):
+    """The DataLoader workers ran out of shared memory (/dev/shm)."""
+
+
+_SHM_SIGNS = ("shared memory", "bus error", "/dev/shm", "</torch_", "shm")
+
+
+def shared_memory_error(
+    exc: BaseException, *, rank: int, held: HeldBytes, samples_per_fetch: int
+) -> SharedMemoryError | None:
+    """The loader's own error for torch's out-of-shared-memory failures (a worker
+    killed by SIGBUS, `unable to write to file </torch_...>`), naming what the loader
+    held and the settings that shrink it; None for any other error."""
+    if isinstance(exc, ODBError) or not isinstance(exc, (RuntimeError, OSError)):
+        return None
+    text = str(exc).lower()
+    if not any(sign in text for sign in _SHM_SIGNS):
+        return None
+    bound = "unbounded" if held.bound is None else f"window_bytes={held.bound:,}"
+    return SharedMemoryError(
+        f"ODBDataLoader rank {rank}: the DataLoader workers ran out of shared memory "
+        f"(/dev/shm) while the loader held {held.samples} preprocessed samples, "
+        f"{held.bytes:,} bytes ({bound}). Lower window_bytes= (the window's byte bound), "
+        f"or samples_per_fetch= ({samples_per_fetch}) / prefetch_factor= / num_workers=, "
+        "or give the container more shared memory (docker run --shm-size=...). "
+        f"torch said: {exc}"
+    )
