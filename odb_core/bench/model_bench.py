@@ -180,6 +180,35 @@ def _shm_mb() -> float:
         return 0.0
 
 
+class _Seconds:
+    """Seconds a module's forward has taken since the last `pop`."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.started = 0.0
+
+    def pop(self) -> float:
+        out, self.total = self.total, 0.0
+        return out
+
+
+def _forward_timer(module: Any) -> _Seconds:
+    """Time `module`'s forward passes (the vision tower's share of a step); held-out
+    evaluation included, so `pop` before and after a run."""
+    sec = _Seconds()
+    if module is not None:
+
+        def pre(*_: Any) -> None:
+            sec.started = time.perf_counter()
+
+        def post(*_: Any) -> None:
+            sec.total += time.perf_counter() - sec.started
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+    return sec
+
+
 # ---- the parent process ----------------------------------------------------------
 
 
@@ -283,6 +312,7 @@ class _Run:
         self.collate = 0.0
         self.peak_rss = 0.0
         self.peak_shm = 0.0
+        self.vision = 0.0
         self.epoch_ids: list[list[int]] = []
         self.epoch_steps: list[int] = []
         self.timeline: list[tuple[float, float, float, int, int, int, bool]] = []
@@ -355,6 +385,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     fixed_batch = max(1, budget // max_len)
     model = wl.model(seed)
     init_state = copy.deepcopy(model.state_dict())
+    vision_s = _forward_timer(wl.vision_tower(model))
     ddp = DistributedDataParallel(model, find_unused_parameters=wl.find_unused_parameters)
     strategies: list[str] = params["strategies"]
     schedule = Schedule(Shape.LINEAR, warmup=WARMUP)
@@ -513,6 +544,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             curve.append((0.0, 0, held_out_loss()))
         dist.barrier()
         shm0 = _shm_mb()
+        vision_s.pop()
         start = time.perf_counter()
         for e in range(epochs):
             real_steps = -1
@@ -643,6 +675,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             run.epoch_steps.append(epoch_steps)
             run.epoch_ids.append(epoch_ids)
         wall = time.perf_counter() - start - eval_s
+        run.vision = vision_s.pop()  # with --quality, held-out forwards included
         if quality and curve[-1][1] < consumed:
             curve.append((wall, consumed, held_out_loss()))
         allgather = 0.0
@@ -702,6 +735,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                 "loss_tokens": run.loss_tokens,
                 "wait": run.wait,
                 "collate": run.collate,
+                "vision": run.vision,
                 "allgather": allgather,
                 "wall": wall,
                 "rss": run.peak_rss,
@@ -785,6 +819,7 @@ def _summarise(
         "dev_shm_peak_mb": max(r["shm"] for r in per_rank),
         "data_wait_s": max(r["wait"] for r in per_rank),
         "collate_s": max(r["collate"] for r in per_rank),
+        "vision_forward_s": max(r["vision"] for r in per_rank),
         "allgather_stall_s": max(r["allgather"] for r in per_rank),
         "train_loss_per_token": sum(r["loss_sum"] for r in per_rank)
         / max(1, sum(r["loss_tokens"] for r in per_rank)),
@@ -806,6 +841,7 @@ MEDIAN_KEYS = (
     "dev_shm_peak_mb",
     "data_wait_s",
     "collate_s",
+    "vision_forward_s",
     "allgather_stall_s",
     "train_loss_per_token",
     "held_out_loss",

@@ -16,10 +16,10 @@ def iter_table(result: dict[str, Any]) -> Iterator[str]:
     )
     yield (
         "| strategy | samples/s | incl. pass | tokens/s | padding | steps/rank | pad steps "
-        "| data wait s | collate s | all-gather s | peak RSS MB | /dev/shm MB "
+        "| data wait s | collate s | vision fwd s | all-gather s | peak RSS MB | /dev/shm MB "
         "| equal steps, once | train loss/token | held-out loss |"
     )
-    yield "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    yield "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     for name, r in result["strategies"].items():
         label = name
         if r["precompute_s"] > 0:
@@ -30,6 +30,7 @@ def iter_table(result: dict[str, Any]) -> Iterator[str]:
             f"| {label} | {r['samples_per_s']:.2f} | {r['samples_per_s_incl_precompute']:.2f} | "
             f"{r['tokens_per_s']:.0f} | {100 * r['padding']:.1f}% | {steps_s} | "
             f"{r['pad_steps']:.0f} | {r['data_wait_s']:.2f} | {r['collate_s']:.2f} | "
+            f"{r.get('vision_forward_s', 0.0):.2f} | "
             f"{r['allgather_stall_s']:.2f} | {r['peak_rss_mb']:.0f} | "
             f"{r.get('dev_shm_peak_mb', 0.0):.0f} | "
             f"{'yes' if r['equal_steps'] and r['exactly_once'] else 'no'} | "

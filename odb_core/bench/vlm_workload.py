@@ -113,6 +113,9 @@ class VLMWorkload:
     def collate(self, packed: bool) -> VLMCollate:
         return VLMCollate(packed)
 
+    def vision_tower(self, model: Any) -> Any:
+        return model.model.visual
+
     def eval_batch(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """A held-out chunk as one padded batch (labels included)."""
         out = VLMCollate(False)(samples)

@@ -122,6 +122,9 @@ class TextWorkload:
     def collate(self, packed: bool) -> BenchCollate:
         return BenchCollate(packed)
 
+    def vision_tower(self, model: Any) -> Any:
+        return None
+
     def eval_batch(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """A held-out chunk packed into one row (labels included)."""
         from odb_core.torch.collate import pack_collate
