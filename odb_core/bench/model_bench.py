@@ -68,6 +68,7 @@ STRATEGIES = (
 ODB_STRATEGIES = tuple(RECIPES)
 THROUGHPUT_DEFAULT = ("standard", "grouped", "gmt", "odb-padded", "odb-packed", "odb-ref")
 VLM_DEFAULT = ("standard", "grouped", "grouped-estimate", "gmt", "odb-padded")
+VLM_QUALITY_DEFAULT = (*VLM_DEFAULT, "odb-linear-lr")
 PLANNED = ("gmt", "grouped", "grouped-estimate")  # offline plans over a _Batches sampler
 QUALITY_DEFAULT = tuple(s for s in STRATEGIES if s not in ("odb-ref", "grouped-estimate"))
 REGIMES = ("scratch", "finetune")

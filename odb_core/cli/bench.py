@@ -121,7 +121,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="comma-separated subset to run (default: standard, grouped, gmt, odb-padded, "
         "odb-packed, odb-ref; with --quality every strategy and recipe but odb-ref; "
-        "qwen3-vl-tiny: standard, grouped, grouped-estimate, gmt, odb-padded)",
+        "qwen3-vl-tiny: standard, grouped, grouped-estimate, gmt, odb-padded; with "
+        "--quality also odb-linear-lr)",
     )
     q = p.add_argument_group(
         "time to quality (--model ... --quality)",
@@ -159,8 +160,7 @@ def run_model(args: argparse.Namespace) -> int:
     if args.strategies is None:
         default = model_bench.QUALITY_DEFAULT if args.quality else model_bench.THROUGHPUT_DEFAULT
         if args.model in model_bench.VLM_MODELS:
-            vlm = model_bench.VLM_DEFAULT
-            default = tuple(s for s in default if s in vlm) if args.quality else vlm
+            default = model_bench.VLM_QUALITY_DEFAULT if args.quality else model_bench.VLM_DEFAULT
         requested = list(default)
     else:
         requested = [s.strip() for s in args.strategies.split(",") if s.strip()]
