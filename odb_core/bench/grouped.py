@@ -21,16 +21,23 @@ def grouped_plan(
 ) -> list[list[list[int]]]:
     """Every rank's batches for one epoch (the same generator seed on every rank, as
     Accelerate synchronises it), in the order each rank runs them."""
-    from accelerate.data_loader import BatchSamplerShard  # type: ignore[import-untyped]
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
     gen = torch.Generator()
     gen.manual_seed(seed)
     sampler = LengthGroupedSampler(batch_size, lengths=lengths, generator=gen)
+    gen.manual_seed(seed)
+    return shard_plan(list(sampler), batch_size, world)
+
+
+def shard_plan(order: list[int], batch_size: int, world: int) -> list[list[list[int]]]:
+    """A sampler's epoch order as `DataLoader(batch_size=B)` batches sharded by
+    Accelerate: every rank's batches, in the order it runs them."""
+    from accelerate.data_loader import BatchSamplerShard  # type: ignore[import-untyped]
+
     plan = []
     for rank in range(world):
-        gen.manual_seed(seed)
-        batches = BatchSampler(sampler, batch_size, drop_last=False)
+        batches = BatchSampler(order, batch_size, drop_last=False)
         shard = BatchSamplerShard(
             batches, num_processes=world, process_index=rank, split_batches=False, even_batches=True
         )

@@ -49,11 +49,14 @@ import torch
 
 from odb_core.bench.gmt import gmt_plan
 from odb_core.bench.recipes import RECIPES
-from odb_core.bench.workload import MIN_LEN, SIZES, BenchCollate, LongTailText, build_model
+from odb_core.bench.workload import MIN_LEN, SIZES, BenchCollate, LongTailText, TextWorkload
+
+VLM_MODELS = ("qwen3-vl-tiny",)  # odb_core.bench.vlm_workload.VLM_SIZES (imported lazily)
 
 STRATEGIES = (
     "standard",
     "grouped",
+    "grouped-estimate",
     "gmt",
     "odb-padded",
     "odb-packed",
@@ -64,7 +67,10 @@ STRATEGIES = (
 )
 ODB_STRATEGIES = tuple(RECIPES)
 THROUGHPUT_DEFAULT = ("standard", "grouped", "gmt", "odb-padded", "odb-packed", "odb-ref")
-QUALITY_DEFAULT = tuple(s for s in STRATEGIES if s != "odb-ref")
+VLM_DEFAULT = ("standard", "grouped", "grouped-estimate", "gmt", "odb-padded")
+VLM_QUALITY_DEFAULT = (*VLM_DEFAULT, "odb-linear-lr")
+PLANNED = ("gmt", "grouped", "grouped-estimate")  # offline plans over a _Batches sampler
+QUALITY_DEFAULT = tuple(s for s in STRATEGIES if s not in ("odb-ref", "grouped-estimate"))
 REGIMES = ("scratch", "finetune")
 WARMUP = 0.05  # of the run, every --quality schedule (linear to 0 at the last update)
 
@@ -80,8 +86,12 @@ def odb_ref_missing() -> str | None:
 
 def validate(params: dict[str, Any]) -> list[str]:
     """Raise ValueError naming a bad option; returns the strategies to run."""
-    if params["model"] not in SIZES:
-        raise ValueError(f"unknown --model {params['model']!r}; expected one of {', '.join(SIZES)}")
+    vlm = params["model"] in VLM_MODELS
+    if params["model"] not in SIZES and not vlm:
+        known = ", ".join([*SIZES, *VLM_MODELS])
+        raise ValueError(f"unknown --model {params['model']!r}; expected one of {known}")
+    if vlm:
+        _validate_vlm(params)
     if importlib.util.find_spec("transformers") is None:
         raise ValueError("--model needs transformers: pip install 'odb-core[hf]'")
     if params["max_len"] < MIN_LEN:
@@ -123,15 +133,81 @@ def validate(params: dict[str, Any]) -> list[str]:
         raise ValueError(
             "--quality needs 'standard' among the strategies (its final loss is the target)"
         )
-    if "grouped" in chosen and importlib.util.find_spec("accelerate") is None:
-        raise ValueError(
-            "strategy 'grouped' needs accelerate (its DataLoader sharding): pip install accelerate"
-        )
-    if "odb-ref" in chosen and odb_ref_missing() is not None:
+    if "grouped-estimate" in chosen and not vlm:
+        raise ValueError("strategy 'grouped-estimate' groups by modality: it needs a VLM --model")
+    for name in ("grouped", "grouped-estimate"):
+        if name in chosen and importlib.util.find_spec("accelerate") is None:
+            raise ValueError(
+                f"strategy {name!r} needs accelerate (its DataLoader sharding): "
+                "pip install accelerate"
+            )
+    if "odb-ref" in chosen and (vlm or odb_ref_missing() is not None):
         chosen.remove("odb-ref")
     if not chosen:
         raise ValueError("no strategy to run")
     return chosen
+
+
+def _validate_vlm(params: dict[str, Any]) -> None:
+    if importlib.util.find_spec("PIL") is None:
+        raise ValueError(f"--model {params['model']} needs Pillow: pip install 'odb-core[vlm]'")
+    if params.get("regime", "scratch") != "scratch":
+        raise ValueError(
+            f"--regime finetune is text-only; --model {params['model']} trains scratch"
+        )
+    if "odb-packed" in params["strategies"]:
+        raise ValueError(
+            f"--model {params['model']}: odb-packed needs a multimodal-RoPE packed collate "
+            "(not in this bench yet); leave it out"
+        )
+
+
+def workload_for(params: dict[str, Any]) -> Any:
+    """The model, data and collate of `--model` (text or VLM)."""
+    if params["model"] in VLM_MODELS:
+        from odb_core.bench.vlm_workload import VLMWorkload
+
+        return VLMWorkload(params["model"], params["max_len"])
+    return TextWorkload(params["model"], params["max_len"])
+
+
+def _shm_mb() -> float:
+    """/dev/shm in use (machine-wide: DataLoader workers hand tensors through it)."""
+    import shutil
+
+    try:
+        return shutil.disk_usage("/dev/shm").used / 2**20
+    except OSError:
+        return 0.0
+
+
+class _Seconds:
+    """Seconds a module's forward has taken since the last `pop`."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.started = 0.0
+
+    def pop(self) -> float:
+        out, self.total = self.total, 0.0
+        return out
+
+
+def _forward_timer(module: Any) -> _Seconds:
+    """Time `module`'s forward passes (the vision tower's share of a step); held-out
+    evaluation included, so `pop` before and after a run."""
+    sec = _Seconds()
+    if module is not None:
+
+        def pre(*_: Any) -> None:
+            sec.started = time.perf_counter()
+
+        def post(*_: Any) -> None:
+            sec.total += time.perf_counter() - sec.started
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+    return sec
 
 
 # ---- the parent process ----------------------------------------------------------
@@ -236,6 +312,8 @@ class _Run:
         self.wait = 0.0
         self.collate = 0.0
         self.peak_rss = 0.0
+        self.peak_shm = 0.0
+        self.vision = 0.0
         self.epoch_ids: list[list[int]] = []
         self.epoch_steps: list[int] = []
         self.timeline: list[tuple[float, float, float, int, int, int, bool]] = []
@@ -298,17 +376,18 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     quality = bool(params.get("quality"))
     epochs = int(params.get("epochs", 1))
     per_epoch_checks = int(params.get("checkpoints", 4)) if quality else 0
-    vocab = SIZES[params["model"]][5]
-    ds = LongTailText(params["samples"], max_len, vocab, seed)
-    held_out = LongTailText(params["eval_samples"], max_len, vocab, seed + 7919)
+    wl = workload_for(params)
+    ds = wl.dataset(params["samples"], seed)
+    held_out = wl.dataset(params["eval_samples"], seed + 7919)
     workers = params["workers"]
     wkw: dict[str, Any] = {"num_workers": workers}
     if workers > 0:
         wkw.update(persistent_workers=True, multiprocessing_context="fork")
     fixed_batch = max(1, budget // max_len)
-    model = build_model(params["model"], max_len, seed)
+    model = wl.model(seed)
     init_state = copy.deepcopy(model.state_dict())
-    ddp = DistributedDataParallel(model)
+    vision_s = _forward_timer(wl.vision_tower(model))
+    ddp = DistributedDataParallel(model, find_unused_parameters=wl.find_unused_parameters)
     strategies: list[str] = params["strategies"]
     schedule = Schedule(Shape.LINEAR, warmup=WARMUP)
     odb_kw: dict[str, Any] = {
@@ -321,7 +400,11 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
         odb_kw["buffer_size"] = params["buffer_size"]
     if params.get("former"):
         odb_kw["former"] = params["former"]
-    profile = sample_profile(ds) if any(s in RECIPES for s in strategies) else None
+    profile = (
+        sample_profile(ds)
+        if any(s in RECIPES and RECIPES[s].quality_only for s in strategies)
+        else None
+    )
 
     def odb_loader(name: str, data_seed: int) -> Any:
         recipe = RECIPES[name]
@@ -333,24 +416,24 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                 profile, batch_size=fixed_batch, world_size=world
             )
         return ODBDataLoader(
-            ds, cost_model=recipe.cost_model, collate_fn=BenchCollate(recipe.packed), **kw
+            ds, cost_model=recipe.cost_model, collate_fn=wl.collate(recipe.packed), **kw
         )
 
     loaders: dict[str, Any] = {}
     sampler: DistributedSampler[Any] = DistributedSampler(ds, shuffle=True, seed=seed)
     if "standard" in strategies:
         loaders["standard"] = DataLoader(
-            ds, batch_size=fixed_batch, sampler=sampler, collate_fn=BenchCollate(False), **wkw
+            ds, batch_size=fixed_batch, sampler=sampler, collate_fn=wl.collate(False), **wkw
         )
     if not quality:  # one loader for every repeat (its workers start once)
         for name in strategies:
             if name in RECIPES:
                 loaders[name] = odb_loader(name, seed)
     planned = _Batches()
-    for name in ("gmt", "grouped"):
+    for name in PLANNED:
         if name in strategies:
             loaders[name] = DataLoader(
-                ds, batch_sampler=planned, collate_fn=BenchCollate(False), **wkw
+                ds, batch_sampler=planned, collate_fn=wl.collate(False), **wkw
             )
     ref_sampler: DistributedSampler[Any] = DistributedSampler(ds, shuffle=True, seed=seed)
     if "odb-ref" in strategies:
@@ -370,7 +453,9 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     # another distribution (another response rule), at a fixed rate, then every
     # strategy fine-tunes that same model.
     pre_ds = (
-        LongTailText(params["pretrain_samples"], max_len, vocab, seed + 104729, rule=3)
+        LongTailText(
+            params["pretrain_samples"], max_len, SIZES[params["model"]][5], seed + 104729, rule=3
+        )
         if params.get("regime") == "finetune"
         else None
     )
@@ -378,7 +463,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     def init_for(rep: int) -> dict[str, Any]:
         if not quality:
             return dict(init_state)
-        state: dict[str, Any] = build_model(params["model"], max_len, seed + rep).state_dict()
+        state: dict[str, Any] = wl.model(seed + rep).state_dict()
         if pre_ds is None:
             return state
         ddp.module.load_state_dict(state)
@@ -410,14 +495,21 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
         run = _Run()
         precompute = 0.0
         plans: list[list[list[list[int]]]] = []
-        if name in ("gmt", "grouped"):
-            lens, precompute = _lengths_pass(ds, rank, world)
+        if name in PLANNED:
+            if name == "grouped-estimate":  # LLaVA's: text words from the stored data, no pass
+                lens = ds.modality_lengths()
+            else:
+                lens, precompute = _lengths_pass(ds, rank, world)
             for e in range(epochs):
                 ep_seed = seed + rep * epochs + e
                 if name == "gmt":
                     plan = gmt_plan(lens, budget, world, ep_seed)
-                else:
+                elif name == "grouped":
                     plan = grouped_plan(lens, fixed_batch, world, ep_seed)
+                else:
+                    from odb_core.bench.vlm_grouped import grouped_estimate_plan
+
+                    plan = grouped_estimate_plan(lens, fixed_batch, world, ep_seed)
                 if any(not p for p in plan):
                     raise ValueError(
                         f"{name} formed {sum(map(len, plan))} batches for {world} ranks: "
@@ -452,6 +544,8 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
         if quality:
             curve.append((0.0, 0, held_out_loss()))
         dist.barrier()
+        shm0 = _shm_mb()
+        vision_s.pop()
         start = time.perf_counter()
         for e in range(epochs):
             real_steps = -1
@@ -548,6 +642,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                         run.loss_tokens += tok
                     run.wait += t_got - t_wait
                     run.peak_rss = max(run.peak_rss, _rss_mb())
+                    run.peak_shm = max(run.peak_shm, _shm_mb() - shm0)
                     run.timeline.append(
                         (
                             t_wait - start - eval_s,
@@ -581,6 +676,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             run.epoch_steps.append(epoch_steps)
             run.epoch_ids.append(epoch_ids)
         wall = time.perf_counter() - start - eval_s
+        run.vision = vision_s.pop()  # with --quality, held-out forwards included
         if quality and curve[-1][1] < consumed:
             curve.append((wall, consumed, held_out_loss()))
         allgather = 0.0
@@ -591,8 +687,6 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
         return run, wall, precompute, allgather, curve
 
     def held_out_loss() -> float:
-        from odb_core.torch.collate import pack_collate
-
         ddp.module.eval()
         total = torch.zeros(2, dtype=torch.float64)
         mine = list(range(rank, len(held_out), world))
@@ -606,16 +700,16 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                     used += len(s["input_ids"])
                     continue
                 if chunk:
-                    b = pack_collate(
-                        [{"input_ids": c["input_ids"], "labels": c["labels"]} for c in chunk]
-                    )
+                    b = wl.eval_batch(chunk)
                     labels = b.pop("labels")
-                    b.pop("use_cache")
                     logits = ddp.module(**b, use_cache=False).logits
                     total[0] += F.cross_entropy(
-                        logits[0, :-1].float(), labels[0, 1:], ignore_index=-100, reduction="sum"
+                        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                        labels[:, 1:].reshape(-1),
+                        ignore_index=-100,
+                        reduction="sum",
                     ).double()
-                    total[1] += int((labels[0, 1:] != -100).sum())
+                    total[1] += int((labels[:, 1:] != -100).sum())
                 chunk = [s] if s is not None else []
                 used = len(s["input_ids"]) if s is not None else 0
         dist.all_reduce(total)
@@ -642,9 +736,11 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                 "loss_tokens": run.loss_tokens,
                 "wait": run.wait,
                 "collate": run.collate,
+                "vision": run.vision,
                 "allgather": allgather,
                 "wall": wall,
                 "rss": run.peak_rss,
+                "shm": run.peak_shm,
                 "ids": run.epoch_ids,
                 "epoch_steps": run.epoch_steps,
             }
@@ -720,8 +816,11 @@ def _summarise(
         "updates": per_rank[0]["updates"],
         "pad_steps": sum(r["pads"] for r in per_rank),
         "peak_rss_mb": max(r["rss"] for r in per_rank),
+        "peak_rss_mb_per_rank": [r["rss"] for r in per_rank],
+        "dev_shm_peak_mb": max(r["shm"] for r in per_rank),
         "data_wait_s": max(r["wait"] for r in per_rank),
         "collate_s": max(r["collate"] for r in per_rank),
+        "vision_forward_s": max(r["vision"] for r in per_rank),
         "allgather_stall_s": max(r["allgather"] for r in per_rank),
         "train_loss_per_token": sum(r["loss_sum"] for r in per_rank)
         / max(1, sum(r["loss_tokens"] for r in per_rank)),
@@ -740,8 +839,10 @@ MEDIAN_KEYS = (
     "padding",
     "pad_steps",
     "peak_rss_mb",
+    "dev_shm_peak_mb",
     "data_wait_s",
     "collate_s",
+    "vision_forward_s",
     "allgather_stall_s",
     "train_loss_per_token",
     "held_out_loss",
@@ -778,6 +879,7 @@ def _report(
         ratios[f"{odb}/grouped_incl_length_pass"] = _paired(
             runs, odb, "grouped", "samples_per_s_incl_precompute"
         )
+        ratios[f"{odb}/grouped-estimate"] = _paired(runs, odb, "grouped-estimate", "samples_per_s")
         ratios[f"{odb}/gmt"] = _paired(runs, odb, "gmt", "samples_per_s")
         ratios[f"{odb}/gmt_incl_precompute"] = _paired(
             runs, odb, "gmt", "samples_per_s_incl_precompute"

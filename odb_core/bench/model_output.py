@@ -15,21 +15,26 @@ def iter_table(result: dict[str, Any]) -> Iterator[str]:
         f"(standard batch {p['fixed_batch']}), {p['repeats']} interleaved repeats (medians)"
     )
     yield (
-        "| strategy | samples/s | tokens/s | padding | steps/rank | pad steps | data wait s "
-        "| collate s | all-gather s | peak RSS MB | train loss/token | held-out loss |"
+        "| strategy | samples/s | incl. pass | tokens/s | padding | steps/rank | pad steps "
+        "| data wait s | collate s | vision fwd s | all-gather s | peak RSS MB | /dev/shm MB "
+        "| equal steps, once | train loss/token | held-out loss |"
     )
-    yield "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    yield "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     for name, r in result["strategies"].items():
         label = name
-        if name in ("gmt", "grouped"):
+        if r["precompute_s"] > 0:
             label = f"{name} (+{r['precompute_s']:.2f} s length pass)"
         steps = r["steps_per_rank"]
         steps_s = str(steps[0]) if len(set(steps)) == 1 else "/".join(map(str, steps))
         yield (
-            f"| {label} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
-            f"{100 * r['padding']:.1f}% | {steps_s} | {r['pad_steps']:.0f} | "
-            f"{r['data_wait_s']:.2f} | {r['collate_s']:.2f} | {r['allgather_stall_s']:.2f} | "
-            f"{r['peak_rss_mb']:.0f} | {r['train_loss_per_token']:.4f} | {r['held_out_loss']:.4f} |"
+            f"| {label} | {r['samples_per_s']:.2f} | {r['samples_per_s_incl_precompute']:.2f} | "
+            f"{r['tokens_per_s']:.0f} | {100 * r['padding']:.1f}% | {steps_s} | "
+            f"{r['pad_steps']:.0f} | {r['data_wait_s']:.2f} | {r['collate_s']:.2f} | "
+            f"{r.get('vision_forward_s', 0.0):.2f} | "
+            f"{r['allgather_stall_s']:.2f} | {r['peak_rss_mb']:.0f} | "
+            f"{r.get('dev_shm_peak_mb', 0.0):.0f} | "
+            f"{'yes' if r['equal_steps'] and r['exactly_once'] else 'no'} | "
+            f"{r['train_loss_per_token']:.4f} | {r['held_out_loss']:.4f} |"
         )
     yield ""
     yield "| ratio (paired medians of samples/s) | value |"

@@ -101,3 +101,35 @@ def build_model(size: str, max_len: int, seed: int) -> Any:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     return use_packed_attention(model)  # SDPA for padded rows, per-sample SDPA for packed
+
+
+class TextWorkload:
+    """What `model_bench.run_rank` needs of a workload, for the text set."""
+
+    text_only = True
+    find_unused_parameters = False
+
+    def __init__(self, size: str, max_len: int) -> None:
+        self.size = size
+        self.max_len = max_len
+
+    def dataset(self, n: int, seed: int) -> LongTailText:
+        return LongTailText(n, self.max_len, SIZES[self.size][5], seed)
+
+    def model(self, seed: int) -> Any:
+        return build_model(self.size, self.max_len, seed)
+
+    def collate(self, packed: bool) -> BenchCollate:
+        return BenchCollate(packed)
+
+    def vision_tower(self, model: Any) -> Any:
+        return None
+
+    def eval_batch(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """A held-out chunk packed into one row (labels included)."""
+        from odb_core.torch.collate import pack_collate
+
+        return pack_collate(
+            [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples],
+            use_cache_key=False,
+        )

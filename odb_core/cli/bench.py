@@ -70,7 +70,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "run: standard, grouped (HF group_by_length), gmt, odb-padded, odb-packed and odb-ref "
         "(when installed), interleaved",
     )
-    m.add_argument("--model", default=None, help="llama-tiny, llama-small or llama-100m")
+    m.add_argument(
+        "--model",
+        default=None,
+        help="llama-tiny, llama-small, llama-100m, or qwen3-vl-tiny (the VLM workload: "
+        "images decoded and processed in the DataLoader workers; docs/VLM.md)",
+    )
     m.add_argument(
         "--max-len",
         type=positive_int,
@@ -115,7 +120,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--strategies",
         default=None,
         help="comma-separated subset to run (default: standard, grouped, gmt, odb-padded, "
-        "odb-packed, odb-ref; with --quality every strategy and recipe but odb-ref)",
+        "odb-packed, odb-ref; with --quality every strategy and recipe but odb-ref; "
+        "qwen3-vl-tiny: standard, grouped, grouped-estimate, gmt, odb-padded; with "
+        "--quality also odb-linear-lr)",
     )
     q = p.add_argument_group(
         "time to quality (--model ... --quality)",
@@ -152,6 +159,8 @@ def run_model(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers={args.workers!r} must be >= 0")
     if args.strategies is None:
         default = model_bench.QUALITY_DEFAULT if args.quality else model_bench.THROUGHPUT_DEFAULT
+        if args.model in model_bench.VLM_MODELS:
+            default = model_bench.VLM_QUALITY_DEFAULT if args.quality else model_bench.VLM_DEFAULT
         requested = list(default)
     else:
         requested = [s.strip() for s in args.strategies.split(",") if s.strip()]

@@ -1,0 +1,124 @@
+"""The VLM workload of `odb bench --model qwen3-vl-tiny`: transformers' own
+`Qwen3VLForConditionalGeneration` built from a small config (vision tower and
+language model, no download), the batch collator, and the hooks
+`odb_core.bench.model_bench` runs it through (`VLMWorkload`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from odb_core.bench.vlm_preprocess import MERGE, PATCH, TEMPORAL, VLMSFT, VOCAB, token_id
+
+# name: (vision depth, vision hidden, text layers, text hidden, text intermediate)
+VLM_SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "qwen3-vl-tiny": (2, 64, 2, 128, 256),
+}
+
+
+def build_vlm(size: str, seed: int) -> Any:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    depth, v_hidden, layers, hidden, inter = VLM_SIZES[size]
+    heads, head_dim = 4, hidden // 4
+    half = head_dim // 2  # mRoPE sections (t, h, w) over head_dim / 2 frequencies
+    config = Qwen3VLConfig(
+        vision_config={
+            "depth": depth,
+            "hidden_size": v_hidden,
+            "intermediate_size": 2 * v_hidden,
+            "num_heads": 4,
+            "out_hidden_size": hidden,
+            "patch_size": PATCH,
+            "spatial_merge_size": MERGE,
+            "temporal_patch_size": TEMPORAL,
+            "num_position_embeddings": 1024,
+            "deepstack_visual_indexes": [0],
+        },
+        text_config={
+            "vocab_size": VOCAB,
+            "hidden_size": hidden,
+            "intermediate_size": inter,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": 2,
+            "head_dim": head_dim,
+            "max_position_embeddings": 4096,
+            "use_cache": False,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16],
+                "mrope_interleaved": True,
+            },
+        },
+        image_token_id=token_id("<|image_pad|>"),
+        video_token_id=token_id("<|video_pad|>"),
+        vision_start_token_id=token_id("<|vision_start|>"),
+        vision_end_token_id=token_id("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(config)
+
+
+class VLMCollate:
+    """Padded rows (the library's `pad_collate`, pad id `<|endoftext|>`) plus the
+    batch's images: `pixel_values` concatenated in row order, `image_grid_thw` one
+    row per image, `mm_token_type_ids` (the model's multimodal RoPE reads it); and
+    the bench's ids and collate time."""
+
+    def __init__(self, packed: bool) -> None:
+        if packed:
+            raise ValueError("qwen3-vl-tiny has no packed collate yet (multimodal RoPE)")
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        from odb_core.torch.collate import pad_collate
+
+        start = time.perf_counter()
+        core = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
+        out: dict[str, Any] = pad_collate(core, pad_token_id=token_id("<|endoftext|>"))
+        with_images = [s for s in samples if "pixel_values" in s]
+        if with_images:
+            out["pixel_values"] = torch.cat([s["pixel_values"] for s in with_images])
+            out["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
+            # what Qwen3VLProcessor returns beside input_ids: 1 on image tokens
+            out["mm_token_type_ids"] = (out["input_ids"] == token_id("<|image_pad|>")).long()
+        out["bench_ids"] = torch.tensor([int(s["idx"]) for s in samples], dtype=torch.long)
+        out["bench_collate_s"] = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        return out
+
+
+class VLMWorkload:
+    """What `model_bench.run_rank` needs of a workload, for the VLM mix."""
+
+    text_only = False
+    # a step whose batch holds no image leaves the vision tower without gradients
+    find_unused_parameters = True
+
+    def __init__(self, size: str, max_len: int) -> None:
+        self.size = size
+        self.max_len = max_len
+
+    def dataset(self, n: int, seed: int) -> VLMSFT:
+        return VLMSFT(n, self.max_len, seed)
+
+    def model(self, seed: int) -> Any:
+        return build_vlm(self.size, seed)
+
+    def collate(self, packed: bool) -> VLMCollate:
+        return VLMCollate(packed)
+
+    def vision_tower(self, model: Any) -> Any:
+        return model.model.visual
+
+    def eval_batch(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """A held-out chunk as one padded batch (labels included)."""
+        out = VLMCollate(False)(samples)
+        out.pop("bench_ids")
+        out.pop("bench_collate_s")
+        return out

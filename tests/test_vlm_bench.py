@@ -1,0 +1,146 @@
+"""`odb bench --model qwen3-vl-tiny`: the synthetic multimodal mix (determinism,
+visual tokens that follow image sizes, decode errors), LLaVA's modality grouping,
+and one tiny end-to-end run on 2 gloo ranks (marked procs). Figures are not
+asserted: only the bench's own checks and its schema."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+from guards import HANG_GUARD_S
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+import torch
+
+from odb_core.bench.vlm_data import Kind, RawSample
+from odb_core.bench.vlm_grouped import grouped_estimate_plan, modality_order
+from odb_core.bench.vlm_preprocess import VLMSFT, SampleDecodeError, token_id
+
+ODB = [sys.executable, "-c", "import sys; from odb_core.cli import main; sys.exit(main())"]
+
+
+def _png(w: int, h: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 40, 40)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _one_image(ds: VLMSFT, w: int, h: int) -> int:
+    """Image tokens of sample 0 re-stored with one w x h image."""
+    ds.raw[0] = RawSample(Kind.OCR_VQA, (_png(w, h),), ("red",), "what colour", "red")
+    s = ds[0]
+    assert s["image_grid_thw"].shape == (1, 3)
+    return int((s["input_ids"] == token_id("<|image_pad|>")).sum())
+
+
+def test_the_mix_is_deterministic_per_seed() -> None:
+    a, b, c = VLMSFT(12, 1024, 3), VLMSFT(12, 1024, 3), VLMSFT(12, 1024, 4)
+    assert [r.images for r in a.raw] == [r.images for r in b.raw]
+    for i in range(12):
+        x, y = a[i], b[i]
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        assert torch.equal(x["labels"], y["labels"])
+        assert ("pixel_values" in x) == ("pixel_values" in y)
+        if "pixel_values" in x:
+            assert torch.equal(x["pixel_values"], y["pixel_values"])
+    assert [len(a[i]["input_ids"]) for i in range(12)] != [
+        len(c[i]["input_ids"]) for i in range(12)
+    ]
+
+
+def test_visual_tokens_follow_image_size() -> None:
+    ds = VLMSFT(1, 1024, 0)
+    # 16 px patches merged 2 x 2: one token per 32 x 32 px, sides rounded to 32
+    assert _one_image(ds, 64, 64) == 4
+    assert _one_image(ds, 320, 160) == 10 * 5
+    assert _one_image(ds, 512, 512) == 256
+    assert _one_image(ds, 2000, 2000) == 256  # capped by max_pixels (512 x 512)
+    s = ds[0]
+    pad = token_id("<|image_pad|>")
+    n = int((s["input_ids"] == pad).sum())
+    assert s["pixel_values"].shape[0] == 4 * n  # patches = tokens x merge^2
+    assert bool((s["labels"][s["input_ids"] == pad] == -100).all())  # the prompt is masked
+    assert int((s["labels"] != -100).sum()) > 0
+
+
+def test_an_image_that_does_not_decode_names_its_sample() -> None:
+    ds = VLMSFT(3, 1024, 0)
+    ds.raw[2] = dataclasses.replace(ds.raw[2], images=(b"not an image",), colours=("red",))
+    with pytest.raises(SampleDecodeError, match="sample 2: an image does not decode"):
+        ds[2]
+
+
+def test_modality_grouping_keeps_modalities_apart_and_every_id_once() -> None:
+    lens = [(-(5 + i % 7) if i % 5 == 0 else 10 + i % 13) for i in range(103)]
+    order = modality_order(lens, batch_size=4, world=2, seed=1)
+    assert sorted(order) == list(range(103))
+    mega = 8
+    full = order[: len(order) - (len(order) % mega or mega)]
+    for s in range(0, len(full) - mega + 1, mega):
+        signs = {lens[i] > 0 for i in order[s : s + mega]}
+        assert len(signs) == 1, order[s : s + mega]  # a megabatch holds one modality
+    plan = grouped_estimate_plan(lens, 4, 2, 1)
+    assert len(plan[0]) == len(plan[1])
+    assert {i for p in plan for b in p for i in b} == set(range(103))
+    with pytest.raises(ValueError, match="non-zero"):
+        modality_order([3, 0, -2], 1, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--strategies", "standard,odb-packed"], "odb-packed needs a multimodal-RoPE"),
+        (["--regime", "finetune", "--quality"], "--regime finetune is text-only"),
+    ],
+)
+def test_vlm_options_fail_clearly(
+    args: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from odb_core.cli import main
+
+    assert main(["bench", "--model", "qwen3-vl-tiny", *args]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_grouped_estimate_needs_a_vlm(capsys: pytest.CaptureFixture[str]) -> None:
+    from odb_core.cli import main
+
+    assert main(["bench", "--model", "llama-tiny", "--strategies", "grouped-estimate"]) == 2
+    assert "groups by modality: it needs a VLM" in capsys.readouterr().err
+
+
+@pytest.mark.procs
+def test_tiny_vlm_run_every_strategy_reports() -> None:
+    strategies = ["standard", "grouped", "grouped-estimate", "gmt", "odb-padded"]
+    cmd = [
+        *ODB, "bench", "--model", "qwen3-vl-tiny", "--samples", "16", "--max-len", "1024",
+        "--budget", "2048", "--repeats", "1", "--eval-samples", "2", "--workers", "1",
+        "--timeout", str(HANG_GUARD_S), "--json", "--strategies", ",".join(strategies),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    assert r["ok"] is True
+    assert list(r["strategies"]) == strategies
+    for name, row in r["strategies"].items():
+        assert row["runs"][0]["samples"] == 16, name  # every strategy ran the whole epoch
+        assert row["equal_steps"] and row["exactly_once"], name
+        assert len(set(row["steps_per_rank"])) == 1, name
+        assert row["runs"][0]["unique_ids"] == 16, name
+        assert row["peak_rss_mb"] > 0 and len(row["runs"][0]["peak_rss_mb_per_rank"]) == 2
+        assert row["vision_forward_s"] > 0, name
+    rows = r["strategies"]
+    assert rows["grouped"]["precompute_s"] > 0 and rows["gmt"]["precompute_s"] > 0
+    assert rows["grouped-estimate"]["precompute_s"] == 0  # no pass: lengths from the text
+    assert {"odb-padded/grouped-estimate", "odb-padded/grouped_incl_length_pass"} <= set(
+        r["ratios"]
+    )
