@@ -5,13 +5,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo check test slow-tlc lint typecheck unit fast bench mutants clean
+.PHONY: demo check test slow-tlc lint typecheck unit fast bench mutants extras-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -U pip
 	# torch==2.13.0 is pinned: its CPU wheel is local; a range would pull a CUDA build.
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,torch,hf,vlm,accelerate,lightning]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,torch,hf,vlm,accelerate,lightning,peft]'
 	touch $@
 
 demo: $(STAMP)
@@ -52,6 +52,14 @@ slow-tlc: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/pytest benchmarks --benchmark-enable --benchmark-columns=median,mean,rounds
 
+# Each trainer extra alone ([torch,hf], [torch,accelerate], [torch,lightning],
+# [torch,trl], [torch,peft]) in a fresh venv under .venv-extras/ builds its trainer
+# on a tiny model and steps it once (tools/extras_check.py): a dependency the test
+# venv, holding every extra, hides. Not part of `make test`; CI (.ci/run) runs it.
+EXTRAS ?=
+extras-check:
+	$(PYTHON) tools/extras_check.py $(EXTRAS)
+
 # Mutation testing (docs/VERIFICATION.md): mutmut mutates a copy of the runtime core
 # and the torch pipeline under mutants/ (never the working tree) and runs the fast
 # test selection of [tool.mutmut] in pyproject.toml. Long: hours on 2 cores.
@@ -64,4 +72,4 @@ mutants: $(STAMP)
 	$(PY) tools/mutation_score.py --survivors
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) .venv-extras .pytest_cache .mypy_cache .ruff_cache mutants

@@ -115,6 +115,23 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float64) -> Any:
     return LlamaForCausalLM(config).to(dtype)
 
 
+def lora_llama(seed: int = 0, dtype: torch.dtype = torch.float64) -> Any:
+    """`tiny_llama(seed)` under PEFT LoRA (rank 4 on the attention projections): only
+    the adapter weights train. Both adapter matrices random (`init_lora_weights=False`;
+    PEFT's default zero B would give A a zero gradient, a weaker check)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_llama(seed, dtype)
+    torch.manual_seed(seed + 1)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    return get_peft_model(model, config).to(dtype)
+
+
+MODELS = {"full": tiny_llama, "lora": lora_llama}
+
+
 def flat_grad(module: torch.nn.Module) -> torch.Tensor:
     """Every parameter's gradient, flattened in parameter order (zeros where None)."""
     return torch.cat(

@@ -49,11 +49,11 @@ import torch.multiprocessing as mp  # noqa: E402
 from gloo_ranks import set_rank_env  # noqa: E402
 from sft_support import (  # noqa: E402
     COLLATES,
+    MODELS,
     ChatSFT,
     Reference,
     flat_grad,
     rel_l2,
-    tiny_llama,
 )
 
 from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
@@ -110,6 +110,8 @@ CASES: dict[str, dict[str, Any]] = {
         },
     },
 }
+# PEFT LoRA (`sft_support.lora_llama`) on ga2's data and loader: the adapter's gradient.
+CASES["ga2_lora"] = {**CASES["ga2"], "model": "lora"}
 BASELINE = "ga2"  # the data and loader the baseline (no adapter) runs on
 
 
@@ -123,7 +125,7 @@ def _flat_params(module: torch.nn.Module) -> torch.Tensor:
 def _build(accelerator: Any, case: dict[str, Any]) -> tuple[Any, Any, Any]:
     from odb_core import ODBDataLoader
 
-    model = tiny_llama(seed=0)
+    model = MODELS[case.get("model", "full")](seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
     loader = ODBDataLoader(
@@ -328,6 +330,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str, phase: str, ckpt: st
                 "resume": lambda: run_case(accelerator, "resume", ckpt),
                 "ga1": lambda: run_case(accelerator, "ga1"),
                 "ga2": lambda: run_case(accelerator, "ga2"),
+                "ga2_lora": lambda: run_case(accelerator, "ga2_lora"),
                 "misuse": lambda: run_misuse(accelerator),
                 "bad_input": lambda: run_bad_input(accelerator),
                 "baseline": lambda: run_baseline(accelerator),
@@ -378,11 +381,16 @@ def launch(out: Path, phase: str, ckpt: Path, timeout: float = 180) -> list[dict
     return results
 
 
-def reference_grad(dataset: Any, params: torch.Tensor, ids: list[int]) -> torch.Tensor:
-    """The single-process per-token mean gradient over `ids` at `params`."""
-    model = tiny_llama(seed=0)
+def reference_model(name: str, params: torch.Tensor) -> Any:
+    """Case `name`'s model (full or LoRA) at `params`."""
+    model = MODELS[CASES[name].get("model", "full")](seed=0)
     torch.nn.utils.vector_to_parameters(params, model.parameters())
-    return Reference(model, dataset).mean(ids)
+    return model
+
+
+def reference_grad(name: str, params: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """The single-process per-token mean gradient over `ids` at `params`."""
+    return Reference(reference_model(name, params), ChatSFT(**CASES[name]["data"])).mean(ids)
 
 
 def windows_of(rows: list[dict[str, Any]]) -> list[list[int]]:
@@ -470,11 +478,10 @@ def test_one_optimizer_step_per_window_on_every_rank(runs: dict[str, Any]) -> No
 
 def _errors(runs: dict[str, Any], name: str) -> list[float]:
     per_rank = case(runs, name)
-    dataset = ChatSFT(**CASES[name]["data"])
     out = []
     for w, steps in enumerate(windows_of(per_rank[0]["epochs"][0])):
         assert rel_l2(per_rank[1]["grads"][w], per_rank[0]["grads"][w]) <= 1e-12
-        ref = reference_grad(dataset, per_rank[0]["params"][w], window_ids(per_rank, steps))
+        ref = reference_grad(name, per_rank[0]["params"][w], window_ids(per_rank, steps))
         out.append(rel_l2(per_rank[0]["grads"][w], ref))
     return out
 
@@ -500,21 +507,44 @@ def test_windows_of_two_steps_pad_step_and_short_last_window(runs: dict[str, Any
         f"short last window {errors[-1]:.3g}, max {max(errors):.3g}"
     )
     assert max(errors) <= TOL, errors
-    # The wrong variant: each rank's plain per-token mean, averaged by DDP, at the pad window.
-    dataset = ChatSFT(**CASES["ga2"]["data"])
-    model = tiny_llama(seed=0)
-    torch.nn.utils.vector_to_parameters(per_rank[0]["params"][pad_window], model.parameters())
-    ref = Reference(model, dataset)
-    unscaled = torch.zeros_like(per_rank[0]["grads"][pad_window])
-    for t in windows[pad_window]:
+    wrong = unscaled_error(runs, "ga2", pad_window)
+    print(f"[ga2] pad window without the loader's scale: rel L2 {wrong:.3g}")
+    assert wrong > WRONG
+
+
+def unscaled_error(runs: dict[str, Any], name: str, w: int) -> float:
+    """The wrong variant: each rank's plain per-token mean, averaged by DDP, at window
+    `w`, against the reference."""
+    per_rank = case(runs, name)
+    rows0, rows1 = (r["epochs"][0] for r in per_rank)
+    steps = windows_of(rows0)[w]
+    ref = Reference(reference_model(name, per_rank[0]["params"][w]), ChatSFT(**CASES[name]["data"]))
+    unscaled = torch.zeros_like(per_rank[0]["grads"][w])
+    for t in steps:
         for rows in (rows0, rows1):
             if rows[t]["ids"]:
                 g, n = ref.summed(rows[t]["ids"])
                 if n:
                     unscaled += g / n / WORLD
-    wrong = rel_l2(unscaled, ref.mean(window_ids(per_rank, windows[pad_window])))
-    print(f"[ga2] pad window without the loader's scale: rel L2 {wrong:.3g}")
-    assert wrong > WRONG
+    return rel_l2(unscaled, ref.mean(window_ids(per_rank, steps)))
+
+
+def test_lora_windows_match_single_process(runs: dict[str, Any]) -> None:
+    """PEFT LoRA, G=2, uneven shards: the gradient is on the adapter weights only and
+    every window's is the per-token mean's; without the loader's scale it is not."""
+    per_rank = case(runs, "ga2_lora")
+    model = reference_model("ga2_lora", per_rank[0]["params"][0])
+    adapter = torch.cat(
+        [torch.full((p.numel(),), "lora_" in n) for n, p in model.named_parameters()]
+    )
+    for grad in per_rank[0]["grads"]:
+        assert (grad[~adapter] == 0).all() and (grad[adapter] != 0).any()
+    errors = _errors(runs, "ga2_lora")
+    wrong = max(unscaled_error(runs, "ga2_lora", w) for w in range(len(errors)))
+    print(
+        f"[ga2_lora] max rel L2 over {len(errors)} windows {max(errors):.3g}; unscaled {wrong:.3g}"
+    )
+    assert max(errors) <= TOL < WRONG < wrong
 
 
 def test_plain_accelerate_accumulation_over_the_odb_loader_raises(runs: dict[str, Any]) -> None:

@@ -54,7 +54,16 @@ transformers = pytest.importorskip("transformers")
 import torch.multiprocessing as mp  # noqa: E402
 from gloo_ranks import launch as launch_ranks  # noqa: E402
 from gloo_ranks import ok, set_rank_env  # noqa: E402
-from sft_support import ChatSFT, Reference, flat_grad, pad_collate, rel_l2, tiny_llama  # noqa: E402
+from sft_support import (  # noqa: E402
+    MODELS,
+    ChatSFT,
+    Reference,
+    flat_grad,
+    lora_llama,
+    pad_collate,
+    rel_l2,
+    tiny_llama,
+)
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
@@ -121,6 +130,10 @@ SCENARIOS["g1_noavg"] = {
     "args": {**SCENARIOS["g1"]["args"], "average_tokens_across_devices": False},
 }
 SCENARIOS["g2_mean"] = {**SCENARIOS["g2"], "model": {"accepts_loss_kwargs": False}}
+# PEFT LoRA (`sft_support.lora_llama`): the gradient on the adapter weights, and
+# adapter-only checkpoints resumed (on 2 ranks here, on one process in the test).
+SCENARIOS["g2_lora"] = {**SCENARIOS["g2"], "model_kind": "lora"}
+SCENARIOS["epochs_lora"] = {**SCENARIOS["epochs"], "model_kind": "lora"}
 COMMON_ODB = {
     "deterministic": True,
     "buffer_size": 16,
@@ -186,7 +199,7 @@ def make_trainer(name: str, out: Path, **extra: Any) -> tuple[Any, Recorder]:
     }
     args = TrainingArguments(**{**options, **sc["args"], **extra})
     rec = Recorder(sc["grads"])
-    model = tiny_llama(seed=0)
+    model = MODELS[sc.get("model_kind", "full")](seed=0)
     for attr, value in sc.get("model", {}).items():
         setattr(model, attr, value)
     trainer = ODBHFTrainer(
@@ -237,7 +250,16 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
     try:
         root = Path(out)
         result: dict[str, Any] = {}
-        for name in ("g1", "g1_noavg", "g2", "g2_mean", "epochs", "lr_g1"):
+        for name in (
+            "g1",
+            "g1_noavg",
+            "g2",
+            "g2_mean",
+            "g2_lora",
+            "epochs",
+            "epochs_lora",
+            "lr_g1",
+        ):
             result[name] = run(name, root / name)
             torch.save(result, root / f"rank{rank}.pt")
         every = SCENARIOS["epochs"]["args"]["save_steps"]
@@ -620,6 +642,85 @@ def test_resume_on_three_ranks_ends_on_the_last_update(
     }
     rest = [i for r in resumed for i in r["ids"]]
     assert sorted([*done, *rest]) == list(range(SCENARIOS["epochs"]["data"]["n"]))
+
+
+@distributed
+def test_lora_g2_windows_match_single_process(ranks: list[dict[str, Any]]) -> None:
+    """LoRA under ODBHFTrainer, G=2: each window's gradient, on the adapter weights
+    only, is the per-token mean's; the per-micro-step normalisation misses it."""
+    windows = ranks[0]["g2_lora"]["windows"]
+    ref = Reference(lora_llama(seed=0), ChatSFT(**SCENARIOS["g2_lora"]["data"]))
+    adapter = torch.cat(
+        [torch.full((p.numel(),), "lora_" in n) for n, p in ref.model.named_parameters()]
+    )
+    for w in (0, len(windows) - 1):
+        grad = windows[w]["grad"]
+        assert (grad[~adapter] == 0).all() and (grad[adapter] != 0).any()
+        err = rel_l2(grad, ref.mean(window_ids(ranks, "g2_lora", w)))
+        print(f"[g2_lora] window {w} rel L2 {err:.3g}")
+        assert err <= TOL
+    wrong = rel_l2(
+        per_micro_step_mean(ref, ranks, "g2_lora", 0), ref.mean(window_ids(ranks, "g2_lora", 0))
+    )
+    print(f"[g2_lora] window 0, per-micro-step normalisation rel L2 {wrong:.3g}")
+    assert wrong > WRONG
+
+
+class AdapterAtStart(TrainerCallback):
+    """The adapter weights as training starts (after a checkpoint was loaded)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, Any] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.weights = {
+            n: p.detach().clone() for n, p in kw["model"].named_parameters() if "lora_" in n
+        }
+
+
+def check_adapter_resumed(start: dict[str, Any], ckpt: Path) -> None:
+    """`start` (the adapter as the resumed run began) is the checkpoint's adapter."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(ckpt / "adapter_model.safetensors"))
+    assert len(saved) == len(start) > 0
+    by_suffix = {k.split("base_model.model.")[-1]: v for k, v in saved.items()}
+    for name, value in start.items():
+        key = name.split("base_model.model.")[-1].replace(".default", "")
+        assert torch.equal(value.to(by_suffix[key].dtype), by_suffix[key]), f"{name} not loaded"
+
+
+@distributed
+def test_lora_adapter_only_checkpoint_resumes_on_one_process(
+    ranks: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The 2-rank LoRA run's checkpoints hold the adapter only; one inside epoch 1,
+    resumed by one process (2 -> 1), loads it, and trains each of the epoch's
+    remaining samples once. The check fails on a fresh adapter (not loaded)."""
+    run0 = ranks[0]["epochs_lora"]
+    every = SCENARIOS["epochs_lora"]["args"]["save_steps"]
+    step = _checkpoint_inside(run0["windows"], 1, every)
+    ckpt = Path(run0["root"]) / f"checkpoint-{step}"
+    names = {p.name for p in ckpt.iterdir()}
+    assert "adapter_model.safetensors" in names and "model.safetensors" not in names, names
+    trainer, rec = make_trainer("epochs_lora", tmp_path, save_strategy="no", ddp_backend=None)
+    start = AdapterAtStart()
+    trainer.add_callback(start)
+    trainer.train(resume_from_checkpoint=str(ckpt))
+    check_adapter_resumed(start.weights, ckpt)
+    fresh = {n: p.detach() for n, p in lora_llama(seed=0).named_parameters() if "lora_" in n}
+    with pytest.raises(AssertionError, match="not loaded"):
+        check_adapter_resumed(fresh, ckpt)
+    done = {
+        i
+        for r in ranks
+        for w in r["epochs_lora"]["windows"][:step]
+        if w["epoch"] == 1
+        for ids in w["ids"]
+        for i in ids
+    }
+    rest = [i for w in rec.windows for ids in w["ids"] for i in ids]
+    assert sorted([*done, *rest]) == list(range(SCENARIOS["epochs_lora"]["data"]["n"]))
 
 
 # ---- the runnable example ------------------------------------------------------------------

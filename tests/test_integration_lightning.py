@@ -51,6 +51,7 @@ from gloo_ranks import ok  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from sft_support import (  # noqa: E402
+    MODELS,
     ChatSFT,
     Reference,
     flat_grad,
@@ -58,7 +59,6 @@ from sft_support import (  # noqa: E402
     pack_collate,
     pad_collate,
     rel_l2,
-    tiny_llama,
 )
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -99,6 +99,16 @@ CASES: dict[str, dict[str, Any]] = {
         "loss": "causal_lm",
         "epochs": 1,
         "accumulate": 2,
+        "loader": {"cost_model": "packed", "token_budget": 352, "shuffle": False},
+    },
+    # PEFT LoRA (`sft_support.lora_llama`) on accum2's data and loader.
+    "accum2_lora": {
+        "data": {"n": 48, "seed": 2, "skew": True, "masked_every": 7},
+        "collate": "packed",
+        "loss": "causal_lm",
+        "epochs": 1,
+        "accumulate": 2,
+        "model": "lora",
         "loader": {"cost_model": "packed", "token_budget": 352, "shuffle": False},
     },
     "resume": {
@@ -191,10 +201,12 @@ LR_RESUME_AT = 5  # optimizer steps before the checkpoint of lr_resume (inside e
 
 
 class SFT(pl.LightningModule):
-    def __init__(self, loss: str, manual: bool = False, schedule: Any = None) -> None:
+    def __init__(
+        self, loss: str, manual: bool = False, schedule: Any = None, model: str = "full"
+    ) -> None:
         super().__init__()
         self.schedule = schedule
-        self.model = tiny_llama(seed=0)
+        self.model = MODELS[model](seed=0)
         self.loss_kind = loss
         self.automatic_optimization = not manual
         self.steps: list[dict[str, Any]] = []
@@ -334,7 +346,12 @@ def _fit(
     if max_epochs is not None:
         case = {**case, "epochs": max_epochs}
     trainer = _trainer(case, root, callbacks, world)
-    module = SFT(case["loss"], manual=case.get("manual", False), schedule=case.get("schedule"))
+    module = SFT(
+        case["loss"],
+        manual=case.get("manual", False),
+        schedule=case.get("schedule"),
+        model=case.get("model", "full"),
+    )
     dm = _datamodule(case)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     configs = trainer.lr_scheduler_configs
@@ -371,7 +388,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
     try:
         root = Path(out)
         result: dict[str, Any] = {"times": {}}
-        for name in ("epochs", "accum2", "manual"):
+        for name in ("epochs", "accum2", "accum2_lora", "manual"):
             t0 = time.perf_counter()
             result[name] = _fit(CASES[name], root / name)
             result["times"][name] = time.perf_counter() - t0
@@ -482,13 +499,13 @@ class Run:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     t0 = time.perf_counter()
     per_rank = launch(tmp_path_factory.mktemp("lightning"))
-    model = tiny_llama(seed=0)
+    models = {kind: build(seed=0) for kind, build in MODELS.items()}
+    model = models["full"]
     out: dict[str, Any] = {}
-    for name in ("epochs", "accum2", "manual"):
+    for name in ("epochs", "accum2", "accum2_lora", "manual"):
         case = CASES[name]
-        out[name] = Run(
-            [r[name] for r in per_rank], case, Reference(model, ChatSFT(**case["data"]))
-        )
+        ref = Reference(models[case.get("model", "full")], ChatSFT(**case["data"]))
+        out[name] = Run([r[name] for r in per_rank], case, ref)
     for name in ("resume", "resume_end"):
         case = CASES[name]
         ref = Reference(model, ChatSFT(**case["data"]))
@@ -689,6 +706,30 @@ def test_first_optimizer_step_gradient_accumulation_2(runs: dict[str, Any]) -> N
     ref = run.ref.mean(run.ids(run.windows[0]))
     wrong = rel_l2(run.grads[0][0] / 2, ref)
     assert wrong > WRONG
+
+
+def test_lora_gradient_accumulation_2(runs: dict[str, Any]) -> None:
+    """PEFT LoRA, G=2, uneven packed shards: the gradient is on the adapter weights
+    only and every window's is the per-token mean's; halved (no lightning_loss) or
+    each rank's plain mean (no loader scale), it is not."""
+    run = runs["accum2_lora"]
+    adapter = torch.cat(
+        [torch.full((p.numel(),), "lora_" in n) for n, p in run.ref.model.named_parameters()]
+    )
+    for grad in run.grads[0]:
+        assert (grad[~adapter] == 0).all() and (grad[adapter] != 0).any()
+    errors = [run.error(w) for w in range(len(run.windows))]
+    ref = run.ref.mean(run.ids(run.windows[0]))
+    halved = rel_l2(run.grads[0][0] / 2, ref)
+    unscaled = max(
+        rel_l2(run.unscaled_local_mean(w), run.ref.mean(run.ids(run.windows[w])))
+        for w in range(len(run.windows))
+    )
+    print(
+        f"[accum2_lora] max rel L2 over {len(errors)} windows {max(errors):.3g}; "
+        f"halved {halved:.3g}, unscaled {unscaled:.3g}"
+    )
+    assert max(errors) <= TOL < WRONG < min(halved, unscaled)
 
 
 def test_gradient_at_a_pad_step(runs: dict[str, Any]) -> None:

@@ -24,6 +24,11 @@ warnings. What is guaranteed:
   fixed when built, it changes length at the resume and, an estimate, ends near,
   not on, the last update (as in an uninterrupted run).
 
+Uninterrupted, the run ends short of `estimated_stepping_batches` (an upper
+estimate), so the `LambdaLR` stops above 0: the adapter warns once at the end of
+the run, naming the updates, the estimate, the rate and `ProgressLR`; never for a
+`ProgressLR` run or a stopped one. Switched off ("lambda/unwarned"), it is caught.
+
 Broken variants, each caught: the old recompute (max_epochs x an epoch's upper
 estimate at the new world size, as if the run started there) and a replan at the
 same world size (which drops the run's figure).
@@ -146,18 +151,19 @@ def _fit(
     )
     module = Tiny(kind)
     dm = ODBDataModule(ChatSFT(**DATA), collate_fn=pad_collate, **LOADER)
+    odb_pl._warned.discard("short")  # once per process: once per fit here
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
+    said = [str(w.message) for w in caught if "estimated_stepping_batches" in str(w.message)]
     sched = trainer.lr_scheduler_configs[0].scheduler
     out: dict[str, Any] = {
         "lrs": rates.lrs,
         "updates": trainer.global_step,
         "estimate": module.estimate,
         "final_lr": float(sched.get_last_lr()[0]),
-        "warnings": [
-            str(w.message) for w in caught if "estimated_stepping_batches" in str(w.message)
-        ],
+        "warnings": [w for w in said if "the run ended after" not in w],
+        "short": [w for w in said if "the run ended after" in w],
     }
     if stop_at is not None:
         (path,) = sorted((root / "ckpt").glob("*.ckpt"))
@@ -187,6 +193,8 @@ def run_first(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         torch.distributed.barrier()
         out[f"{kind}/first"] = _fit(kind, root / kind / "first", world, stop_at=STOP_AT)
         torch.distributed.barrier()
+    odb_pl._check_short_schedule = lambda *a: None  # broken: the check switched off
+    out["lambda/unwarned"] = _fit("lambda", root / "lambda" / "unwarned", world)
     return out
 
 
@@ -341,6 +349,32 @@ def test_lambda_lr_sized_from_the_estimate(first: dict[str, Any], resumed: dict[
         print(_report(f"LambdaLR, resumed on {world} rank(s)", runs["lambda"]))
     check_same_world_size(first, resumed[2])
     check_another_world_size(first, resumed[1])
+
+
+def check_short_schedule_warned(run: dict[str, Any]) -> None:
+    """The run ended short of the estimate a LambdaLR was sized to: one warning with
+    the figures and ProgressLR, and the rate it stopped at."""
+    assert run["updates"] < run["estimate"], "the run reached the estimate"
+    assert run["final_lr"] > 1e-6 * PEAK
+    assert len(run["short"]) == 1, f"warned {len(run['short'])} times"
+    (warning,) = run["short"]
+    stated = (
+        f"the run ended after {run['updates']} optimizer updates of the "
+        f"estimated_stepping_batches={run['estimate']}"
+    )
+    assert stated in warning and f"lr {run['final_lr']:.2g}" in warning, warning
+    assert "ProgressLR(optimizer, self.trainer.datamodule" in warning, warning
+
+
+def test_a_short_run_warns_about_a_step_sized_schedule(first: dict[str, Any]) -> None:
+    print()
+    print(_report("LambdaLR, uninterrupted on 2 ranks", first["lambda/full"]))
+    print(first["lambda/full"]["short"][0])
+    check_short_schedule_warned(first["lambda/full"])
+    for name in ("progress/full", "lambda/first", "progress/first"):
+        assert first[name]["short"] == [], name  # ProgressLR, or stopped before its end
+    with pytest.raises(AssertionError, match="warned 0 times"):
+        check_short_schedule_warned(first["lambda/unwarned"])
 
 
 @pytest.mark.parametrize(("world", "broken"), [(1, "old"), (2, "replan")])

@@ -4,12 +4,18 @@ follows the run's exact progress: it ends at its final value on the last update
 over 2 epochs at G=1 and G=2; saved with `accelerator.save_state` inside epoch 1
 and loaded on 1 and on 3 ranks, it goes on from the saved progress and ends
 there too. A token-aware case (`tokens_per_update` windows, `TokenScaling`)
-checks each update's rate against its window's global loss tokens."""
+checks each update's rate against its window's global loss tokens.
+
+The schedule users write instead, `LinearLR(total_iters=len(train) * epochs)` (the
+"steps" case), stops above its end (`len()` is an upper estimate); the adapter warns
+once, at the end of the first short epoch, naming the figures and `ProgressLR`. The
+broken variant (the adapter's check switched off, "steps_unwarned") is caught."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +44,7 @@ CASES: dict[str, dict[str, Any]] = {
     "g2": {"loader": {"grad_accum_steps": 2}, "schedule": {"shape": "cosine", "warmup": 0.2}},
     "tokens": {"loader": {"tokens_per_update": TOKENS}, "schedule": {"shape": "linear"}},
     "resume": {"loader": {"grad_accum_steps": 2}, "schedule": {"shape": "linear"}},
+    "steps": {"loader": {"grad_accum_steps": 2}, "schedule": None},
 }
 
 
@@ -56,8 +63,10 @@ def _run(
     ckpt: str | None = None,
     load: str | None = None,
 ) -> dict[str, Any]:
+    from odb_core.integrations import accelerate as odb_accelerate
     from odb_core.integrations.accelerate import prepare_odb_loader
 
+    odb_accelerate._warned.discard("short")  # once per process: once per run here
     case = CASES[name]
     torch.manual_seed(0)
     model = torch.nn.Embedding(VOCAB, 4)
@@ -74,7 +83,11 @@ def _run(
     )
     train = prepare_odb_loader(accelerator, loader)
     tokens = TokenScaling(TOKENS, "sqrt") if name == "tokens" else None
-    sched = ProgressLR(opt, train, epochs=EPOCHS, tokens=tokens, **case["schedule"])
+    if case["schedule"] is None:  # sized in steps from len(), as users write it
+        total = len(train) * EPOCHS
+        sched: Any = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=total)
+    else:
+        sched = ProgressLR(opt, train, epochs=EPOCHS, tokens=tokens, **case["schedule"])
     model, opt, prepared = accelerator.prepare(model, opt, sched)
     if load is not None:
         accelerator.load_state(load)
@@ -82,8 +95,11 @@ def _run(
     applied: list[float] = []
     window_tokens: list[int] = []
     progress: list[float] = []
+    epoch_steps: list[int] = []
     for _ in range(train.epoch, EPOCHS):
+        epoch_steps.append(0)
         for batch in train:
+            epoch_steps[-1] += 1
             meta = pop_step_meta(batch)
             with train.accumulate(model):
                 loss = model(batch["input_ids"]).pow(2).mean()
@@ -107,14 +123,30 @@ def _run(
         "window_tokens": window_tokens,
         "progress": progress,
         "final": sched.get_last_lr()[0],
+        "epoch_steps": epoch_steps,
+        "estimate": len(train),
     }
+
+
+def _run_recorded(accelerator: Any, name: str) -> dict[str, Any]:
+    """`_run`, with odb's warnings that name ProgressLR."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _run(accelerator, name)
+    out["warnings"] = [str(w.message) for w in caught if "ProgressLR" in str(w.message)]
+    return out
 
 
 def run_train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     # A fresh Accelerator per run: save_state writes every object prepared on it.
+    from odb_core.integrations.accelerate import ODBAcceleratedLoader
+
     out = {
-        name: _run(_accelerator(rank, world, spec["port"]), name) for name in ("g1", "g2", "tokens")
+        name: _run_recorded(_accelerator(rank, world, spec["port"]), name)
+        for name in ("g1", "g2", "tokens", "steps")
     }
+    ODBAcceleratedLoader._check_short_schedule = lambda *a: None  # type: ignore[method-assign]
+    out["steps_unwarned"] = _run_recorded(_accelerator(rank, world, spec["port"]), "steps")
     out["saved"] = _run(
         _accelerator(rank, world, spec["port"]),
         "resume",
@@ -148,10 +180,40 @@ def test_schedule_ends_on_the_last_update(
     ranks, _ = trained
     for r in ranks:
         run = r[name]
+        assert run["warnings"] == []
         assert run["used"] == ranks[0][name]["used"]
         assert len(run["used"]) >= 4 and run["progress"][-1] == 1.0
         assert run["final"] <= 1e-6 * PEAK
         assert run["used"] == pytest.approx(_expected(name, [0.0, *run["progress"][:-1]]))
+
+
+def check_short_schedule_warned(run: dict[str, Any]) -> None:
+    """A schedule of len(train) * epochs steps stops above its end, and the first
+    short epoch's figures are in one warning that names ProgressLR."""
+    assert run["final"] > 1e-6 * PEAK, "the step-sized schedule reached its end"
+    short = next(e for e, n in enumerate(run["epoch_steps"]) if n < run["estimate"])
+    assert len(run["warnings"]) == 1, f"warned {len(run['warnings'])} times"
+    (warning,) = run["warnings"]
+    stated = f"epoch {short} ran {run['epoch_steps'][short]} steps where len(train) estimated"
+    assert f"{stated} {run['estimate']}" in warning, warning
+    assert "ProgressLR(optimizer, train, epochs=E)" in warning, warning
+
+
+def test_a_step_sized_schedule_is_warned_about(
+    trained: tuple[list[dict[str, Any]], str],
+) -> None:
+    ranks, _ = trained
+    print()
+    for r in ranks:
+        run = r["steps"]
+        print(
+            f"LinearLR(total_iters=len(train) * {EPOCHS}): epochs of {run['epoch_steps']} "
+            f"steps, len(train) {run['estimate']}, final lr {run['final']:.3g} of {PEAK}"
+        )
+        print(run["warnings"][0] if run["warnings"] else "no warning")
+        check_short_schedule_warned(run)
+        with pytest.raises(AssertionError, match="warned 0 times"):
+            check_short_schedule_warned(r["steps_unwarned"])
 
 
 def test_token_aware_rate_scales_each_update_by_its_window_tokens(

@@ -19,7 +19,9 @@ is compared against the same model. One launch runs every case:
   uneven on purpose (rank 1 runs dry and pads), `causal_lm_loss`;
 - `accum4`: `grad_accum_steps=4`, DDP `no_sync` on the non-closing micro-steps,
   some samples fully masked, the epoch's last window short;
-- `tokens`: `tokens_per_update=T` over packed, uneven shards.
+- `tokens`: `tokens_per_update=T` over packed, uneven shards;
+- `lora`: the model under PEFT LoRA (`sft_support.lora_llama`), padded, G=2: only
+  the adapter weights get a gradient, and it is the per-token mean's.
 
 The errors are about 5e-8, not 1e-16: even in float64, transformers' Llama
 computes its RMSNorm and rotary embeddings in float32 (and both losses their
@@ -51,12 +53,12 @@ pytest.importorskip("transformers")
 import torch.multiprocessing as mp  # noqa: E402
 from sft_support import (  # noqa: E402
     COLLATES,
+    MODELS,
     ChatSFT,
     Reference,
     flat_grad,
     loss_tokens,
     rel_l2,
-    tiny_llama,
 )
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
@@ -114,6 +116,19 @@ CASES: dict[str, dict[str, Any]] = {
             "token_budget": 256,
             "shuffle": False,
             "tokens_per_update": TOKENS_PER_UPDATE,
+        },
+    },
+    "lora": {
+        "data": {"n": 40, "seed": 6},
+        "collate": "padded",
+        "loss": "hf",
+        "model": "lora",
+        "loader": {
+            "cost_model": "padded",
+            "token_budget": 256,
+            "shuffle": True,
+            "seed": 9,
+            "grad_accum_steps": 2,
         },
     },
 }
@@ -180,11 +195,11 @@ def train_case(model: DistributedDataParallel, rank: int, case: dict[str, Any]) 
 def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
     init_local_gloo(rank, world, port, timeout_s=120)
     try:
-        model = DistributedDataParallel(tiny_llama(seed=0))
+        models = {kind: DistributedDataParallel(build(seed=0)) for kind, build in MODELS.items()}
         result: dict[str, Any] = {"times": {}}
         for name, case in CASES.items():
             t0 = time.perf_counter()
-            result[name] = train_case(model, rank, case)
+            result[name] = train_case(models[case.get("model", "full")], rank, case)
             result["times"][name] = time.perf_counter() - t0
         torch.save(result, Path(out, f"rank{rank}.pt"))
     except BaseException:
@@ -302,8 +317,11 @@ class Run:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     t0 = time.perf_counter()
     per_rank = launch(tmp_path_factory.mktemp("sft"))
-    model = tiny_llama(seed=0)  # the same seeded init DDP trained from
-    out = {name: Run(name, [r[name] for r in per_rank], model) for name in CASES}
+    models = {kind: build(seed=0) for kind, build in MODELS.items()}  # DDP's seeded inits
+    out = {
+        name: Run(name, [r[name] for r in per_rank], models[CASES[name].get("model", "full")])
+        for name in CASES
+    }
     print(f"\nsft launch {time.perf_counter() - t0:.1f}s; per case {per_rank[0]['times']}")
     return out
 
@@ -464,7 +482,22 @@ def test_uneven_ranks_unscaled_local_mean_is_off(runs: dict[str, Run]) -> None:
         assert run.error(w) <= TOL < WRONG < wrong
 
 
-@pytest.mark.parametrize("name", ["accum4", "tokens"])
+def test_lora_gradient_is_on_the_adapter_weights_only(runs: dict[str, Run]) -> None:
+    """Under LoRA the frozen base weights get no gradient and every adapter matrix
+    (A and B) a nonzero one: the windows' exactness is the adapter's."""
+    run = runs["lora"]
+    trained = [p.requires_grad and "lora_" in n for n, p in run.ref.model.named_parameters()]
+    assert any(trained) and sum(trained) < len(trained)
+    sizes = [p.numel() for p in run.ref.model.parameters()]
+    for grad in run.grads[0]:
+        parts = torch.split(grad, sizes)
+        assert all((part.abs().sum() > 0) == t for part, t in zip(parts, trained, strict=True))
+    errors = [run.error(w) for w in range(len(run.windows))]
+    report(run, f"LoRA: max rel L2 over {len(errors)} windows", max(errors))
+    assert max(errors) <= TOL
+
+
+@pytest.mark.parametrize("name", ["accum4", "tokens", "lora"])
 def test_accumulation_normalised_per_micro_step_is_off(runs: dict[str, Run], name: str) -> None:
     """Each micro-step normalised by its own tokens (then `/ steps`) weights a
     short step's tokens more; the window-wide scale is exact."""

@@ -38,6 +38,7 @@ from accelerate.utils import DistributedType, send_to_device  # type: ignore[imp
 
 from odb_core.errors import ConfigError
 from odb_core.integrations import versions
+from odb_core.integrations.short_schedule import short_schedule_message, step_sized
 from odb_core.integrations.versions import warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
@@ -181,12 +182,15 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
     def __iter__(self) -> Iterator[Any]:
         self._expected_sync = None
         it = iter(self.loader)  # checks Accelerate's own accumulation (trainer_checks)
+        # the epoch's steps: the last step's index + 1 (a resumed epoch starts midway)
+        estimate, epoch, steps = len(self.loader), self.loader.epoch, 0
         self.begin()
         try:
             for batch in it:
                 self._check_sync_untouched()
                 info = self.loader.step_info  # the batch just yielded (no lookahead here)
                 assert info is not None
+                steps = info.step + 1
                 check_accelerate_accumulation(self.accelerator.gradient_accumulation_steps)
                 self.end_of_dataloader = self.loader.epoch_closed
                 self._expected_sync = bool(info.sync_gradients)
@@ -196,10 +200,28 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
                         batch, self.accelerator.device, non_blocking=self.accelerator.non_blocking
                     )
                 yield batch
+            self._check_short_schedule(epoch, steps, estimate)
         finally:
             self._expected_sync = None
             self.accelerator.sync_gradients = True  # Accelerate's state outside accumulation
             self.end()
+
+    def _check_short_schedule(self, epoch: int, steps: int, estimate: int) -> None:
+        """At the end of an epoch shorter than the `len()` it reported: warn when a
+        step-sized scheduler was prepared (the first point the shortfall is known)."""
+        schedulers = step_sized(self.accelerator._schedulers)
+        if steps < estimate and schedulers:
+            warn_once(
+                _warned,
+                "short",
+                short_schedule_message(
+                    schedulers[0],
+                    ran=f"epoch {epoch} ran {steps} steps where len(train) estimated "
+                    f"{estimate} (an upper estimate, as in len(train) * epochs)",
+                    fix="ProgressLR(optimizer, train, epochs=E), prepared as usual,",
+                ),
+                stacklevel=5,
+            )
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:

@@ -33,6 +33,7 @@ from lightning.pytorch.strategies import Strategy
 
 from odb_core.errors import ConfigError, ODBError, ResumeStateError
 from odb_core.integrations import versions
+from odb_core.integrations.short_schedule import short_schedule_message, step_sized
 from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader, StepMeta, step_meta
@@ -361,6 +362,8 @@ class ODBCallback(Callback):
         dm = _datamodule_of(trainer)
         if isinstance(dm, ODBDataModule) and dm._loader is not None:
             dm._loader.close()
+        if isinstance(dm, ODBDataModule):
+            _check_short_schedule(dm, trainer)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -405,6 +408,28 @@ class ODBCallback(Callback):
                 f"the run passed estimated_stepping_batches={reported} (the loader's upper "
                 "estimate was exceeded): an LR schedule sized to it has ended",
             )
+
+
+def _check_short_schedule(dm: ODBDataModule, trainer: pl.Trainer) -> None:
+    """After a run that ended by its epochs: warn when it took fewer updates than the
+    `estimated_stepping_batches` it reported and a step-sized scheduler is attached
+    (the first point the run's total is known)."""
+    reported, done = dm.reported_estimate, trainer.global_step
+    ended_by_epochs = not trainer.interrupted and trainer.current_epoch >= (trainer.max_epochs or 0)
+    if reported is None or done >= reported or not ended_by_epochs:
+        return
+    schedulers = step_sized(c.scheduler for c in trainer.lr_scheduler_configs)
+    if schedulers:
+        _warn_once(
+            "short",
+            short_schedule_message(
+                schedulers[0],
+                ran=f"the run ended after {done} optimizer updates of the "
+                f"estimated_stepping_batches={reported} (the loader's upper estimate)",
+                fix="ProgressLR(optimizer, self.trainer.datamodule, "
+                "epochs=self.trainer.max_epochs) in configure_optimizers",
+            ),
+        )
 
 
 # ---- estimates: the Trainer's and the progress bar's ------------------------------------

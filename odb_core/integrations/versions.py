@@ -126,6 +126,8 @@ PRIVATE_MEMBERS: dict[str, dict[str, str]] = {
         "DataLoaderStateMixin.end": "the active data loader (accelerate.data_loader; 1.16)",
         "GradientState.end_of_dataloader": "the shared gradient state (accelerate.state; 1.16)",
         "Accelerator.sync_gradients": "its setter: the loader's window boundary (1.16)",
+        "Accelerator._schedulers": "the prepared schedulers: a step-sized one on a short epoch "
+        "is warned about (1.16)",
     },
     "lightning": {},  # public API only (checked on 2.6): its gate's `public` members
 }
