@@ -37,38 +37,51 @@ from odb_core.sample import Sample, make_sample
 
 if TYPE_CHECKING:
     from odb_core.torch import STEP_META_KEY as STEP_META_KEY
+    from odb_core.torch import MRopeIndex as MRopeIndex
     from odb_core.torch import ODBDataLoader as ODBDataLoader
+    from odb_core.torch import ProgressLR as ProgressLR
     from odb_core.torch import SampleLoadError as SampleLoadError
     from odb_core.torch import StepMeta as StepMeta
+    from odb_core.torch import VLMPackCollate as VLMPackCollate
     from odb_core.torch import causal_lm_loss as causal_lm_loss
     from odb_core.torch import check_packed_model as check_packed_model
     from odb_core.torch import merge_states as merge_states
     from odb_core.torch import pack_collate as pack_collate
     from odb_core.torch import pad_collate as pad_collate
     from odb_core.torch import pop_step_meta as pop_step_meta
+    from odb_core.torch import sample_profile as sample_profile
     from odb_core.torch import scale_loss as scale_loss
     from odb_core.torch import scaled_loss as scaled_loss
     from odb_core.torch import step_meta as step_meta
     from odb_core.torch import use_packed_attention as use_packed_attention
+    from odb_core.torch import vlm_pack_collate as vlm_pack_collate
+    from odb_core.torch import vlm_pad_collate as vlm_pad_collate
 
 __version__ = "0.1.0"
 
-# torch-backed names, imported on first use so that `import odb_core` never imports torch.
+# torch-backed names, imported on first use so that `import odb_core` never imports torch;
+# tests/test_imports.py holds this list, the block above and odb_core.torch.__all__ equal.
 _TORCH_EXPORTS = (
     "STEP_META_KEY",
+    "MRopeIndex",
     "ODBDataLoader",
+    "ProgressLR",
     "SampleLoadError",
     "StepMeta",
+    "VLMPackCollate",
     "causal_lm_loss",
     "check_packed_model",
     "merge_states",
     "pack_collate",
     "pad_collate",
     "pop_step_meta",
+    "sample_profile",
     "scale_loss",
     "scaled_loss",
     "step_meta",
     "use_packed_attention",
+    "vlm_pack_collate",
+    "vlm_pad_collate",
 )
 
 

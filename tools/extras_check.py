@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRAS = ("hf", "accelerate", "lightning", "trl", "peft")
+EXTRAS = ("hf", "accelerate", "lightning", "trl", "peft", "vlm")
 
 
 def _llama() -> Any:
@@ -182,12 +182,31 @@ def build_peft(out: str) -> None:
         raise SystemExit(f"peft: expected only LoRA weights to train, got {trained}")
 
 
+def build_vlm(out: str) -> None:
+    """`odb bench --model qwen3-vl-tiny`'s parts: images decoded and processed by
+    Qwen-VL's own processor, the chat template, transformers' Qwen3-VL; one update."""
+    import torch
+
+    from odb_core.bench.vlm_workload import VLMWorkload
+
+    workload = VLMWorkload("qwen3-vl-tiny", max_len=2048)
+    data = workload.dataset(4, seed=0)
+    model = workload.model(seed=0)
+    batch = workload.eval_batch([data[i] for i in range(len(data))])
+    if "pixel_values" not in batch:
+        raise SystemExit("vlm: the first 4 samples of the mix hold no image")
+    loss = model(**batch).loss
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
 BUILDERS = {
     "hf": build_hf,
     "accelerate": build_accelerate,
     "lightning": build_lightning,
     "trl": build_trl,
     "peft": build_peft,
+    "vlm": build_vlm,
 }
 
 

@@ -26,13 +26,16 @@ from odb_core.torch.profile import sample_profile
 from odb_core.torch.schedule import ProgressLR
 from odb_core.torch.source import SampleLoadError
 from odb_core.torch.state import merge_states
+from odb_core.torch.vlm import MRopeIndex, VLMPackCollate, vlm_pack_collate, vlm_pad_collate
 
 __all__ = [
     "STEP_META_KEY",
+    "MRopeIndex",
     "ODBDataLoader",
     "ProgressLR",
     "SampleLoadError",
     "StepMeta",
+    "VLMPackCollate",
     "causal_lm_loss",
     "check_packed_model",
     "merge_states",
@@ -44,4 +47,6 @@ __all__ = [
     "scaled_loss",
     "step_meta",
     "use_packed_attention",
+    "vlm_pack_collate",
+    "vlm_pad_collate",
 ]
