@@ -11,35 +11,19 @@ labels from the initial state.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
 
-from odb_core.errors import ODBError
+from odb_core.verify.explore import Violation, describe_state, explore
 from odb_core.verify.invariants import INVARIANTS, epoch_bounds
-from odb_core.verify.model import GlobalModel, GlobalState, ModelConfig
+from odb_core.verify.model import GlobalModel, ModelConfig
 
 GRAPH_PROPERTIES = ("DeadlockFreedom", "Termination")
 PROPERTIES = (*INVARIANTS, *GRAPH_PROPERTIES)
-
-
-@dataclass
-class Violation:
-    property: str
-    reason: str
-    trace: list[str]
-    state: GlobalState
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "property": self.property,
-            "reason": self.reason,
-            "trace": self.trace,
-            "state": describe_state(self.state),
-        }
+__all__ = ["PROPERTIES", "CheckReport", "Violation", "check", "describe_state"]
 
 
 @dataclass
@@ -96,23 +80,6 @@ class CheckReport:
         }
 
 
-def describe_state(state: GlobalState) -> dict[str, Any]:
-    """Readable, spec-named view of a global state."""
-    return {
-        "phase": [rs.phase.value for rs in state.ranks],
-        "exhausted": [rs.exhausted for rs in state.ranks],
-        "pending": [sorted(p) for p in state.pending],
-        "buffer": [[s.id for s in rs.buffer] for rs in state.ranks],
-        "ready": [[list(b.ids) for b in rs.ready] for rs in state.ranks],
-        "steps": [rs.steps for rs in state.ranks],
-        "pads": [rs.pads for rs in state.ranks],
-        "round": [rs.round for rs in state.ranks],
-        "inbox": [i is not None for i in state.inbox],
-        "delivered": list(state.delivered),
-        "ledger": sorted(state.ledger),
-    }
-
-
 def check(
     cfg: ModelConfig,
     *,
@@ -138,65 +105,19 @@ def check(
     report.steps_bound, report.rounds_bound = epoch_bounds(cfg)
     start = time.perf_counter()
     cpu_start = time.process_time()
-    init = model.init()
-    index: dict[GlobalState, int] = {init: 0}
-    states: list[GlobalState] = [init]
-    parent: list[tuple[int, str]] = [(-1, "")]
-    edges: list[tuple[int, int, str]] = []
-    frontier: deque[int] = deque([0])
-    found: set[str] = set()
-
-    def trace_to(n: int) -> list[str]:
-        labels: list[str] = []
-        while parent[n][0] >= 0:
-            labels.append(parent[n][1])
-            n = parent[n][0]
-        return labels[::-1]
-
-    def record(prop: str, reason: str, n: int) -> None:
-        if prop not in found:
-            found.add(prop)
-            report.violations.append(Violation(prop, reason, trace_to(n), states[n]))
-
-    while frontier:
-        n = frontier.popleft()
-        s = states[n]
-        report.max_steps_seen = max(report.max_steps_seen, max(r.steps for r in s.ranks))
-        report.max_rounds_seen = max(report.max_rounds_seen, max(r.round for r in s.ranks))
-        bad = False
-        for name, inv in invariants.items():
-            reason = inv(s, cfg)
-            if reason is not None:
-                record(name, reason, n)
-                bad = True
-        if bad:
-            continue  # do not expand past a violation: keeps broken models finite
-        try:
-            succ = list(model.successors(s))
-        except ODBError as exc:
-            record(type(exc).__name__, str(exc), n)
-            continue
-        if not succ:
-            if s.all_done:
-                report.terminal_states += 1
-            else:
-                report.deadlocks += 1
-                if "DeadlockFreedom" in wanted:
-                    record("DeadlockFreedom", "no action enabled and not all ranks done", n)
-        for action, t in succ:
-            m = index.get(t)
-            if m is None:
-                m = len(states)
-                index[t] = m
-                states.append(t)
-                parent.append((n, action.label))
-                frontier.append(m)
-            edges.append((n, m, action.label))
-        if len(states) > max_states:
-            report.complete = False
-            break
-        if progress is not None and n and n % 50_000 == 0:
-            progress(n)
+    run = explore(
+        model,
+        cfg,
+        invariants,
+        max_states=max_states,
+        deadlock_freedom="DeadlockFreedom" in wanted,
+        keep_edges=True,
+        progress=progress,
+    )
+    states, edges = run.states, run.edges
+    report.max_steps_seen, report.max_rounds_seen = run.max_steps, run.max_rounds
+    report.terminal_states, report.deadlocks = len(run.terminals), len(run.deadlocks)
+    report.complete = run.complete
     graph: nx.MultiDiGraph[int] = nx.MultiDiGraph()
     graph.add_nodes_from(range(len(states)))
     for u, v, label in edges:
@@ -210,9 +131,10 @@ def check(
             report.acyclic = False
             if "Termination" in wanted:
                 cycle = nx.find_cycle(graph, source=0)
-                record("Termination", "a schedule can run forever", cycle[0][0])
+                run.record("Termination", "a schedule can run forever", cycle[0][0])
         else:
             report.longest_schedule = _longest_path(order, edges, len(states))
+    report.violations = run.violations
     report.elapsed_s = time.perf_counter() - start
     report.cpu_s = time.process_time() - cpu_start
     if keep_graph:

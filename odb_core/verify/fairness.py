@@ -27,19 +27,20 @@ import itertools
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from odb_core.config import Mode, OversizePolicy, ProtocolConfig
 from odb_core.cost import BatchStats, Budget, CostModel, PackedTokens, PaddedTokens
-from odb_core.errors import ConfigError, ODBError
+from odb_core.errors import ConfigError
 from odb_core.formers import FORMERS, FormerKind
 from odb_core.ledger import Ledgers, ages, ledger_ids, plan_epoch
 from odb_core.protocol import RankMachine, StepInfo
 from odb_core.resume import partition
 from odb_core.sample import Sample
 from odb_core.verify.bugs import BugVariant
-from odb_core.verify.checker import CheckReport, Violation, check
+from odb_core.verify.checker import CheckReport, check
+from odb_core.verify.explore import StateCheck, explore
 from odb_core.verify.invariants import INVARIANTS
 from odb_core.verify.model import Action, GlobalModel, GlobalState, ModelConfig
 
@@ -160,82 +161,6 @@ class CarriedFirstArrival(GlobalModel):
         ]
 
 
-@dataclass
-class _Pass:
-    states: int = 0
-    edges: int = 0
-    terminals: list[tuple[GlobalState, list[str]]] = field(default_factory=list)
-    violations: list[Violation] = field(default_factory=list)
-    complete: bool = True
-    max_steps: int = 0
-    max_rounds: int = 0
-
-
-_Check = Callable[[GlobalState, ModelConfig], "str | None"]
-
-
-def _explore(
-    model: GlobalModel, cfg: ModelConfig, checks: dict[str, _Check], prefix: list[str], budget: int
-) -> _Pass:
-    """Breadth-first search of one pass: every state checked, terminal states kept
-    with the shortest trace to them (after `prefix`)."""
-    out = _Pass()
-    init = model.init()
-    index: dict[GlobalState, int] = {init: 0}
-    states = [init]
-    parent: list[tuple[int, str]] = [(-1, "")]
-    frontier = deque([0])
-    found: set[str] = set()
-
-    def trace(n: int) -> list[str]:
-        labels = []
-        while parent[n][0] >= 0:
-            labels.append(parent[n][1])
-            n = parent[n][0]
-        return prefix + labels[::-1]
-
-    def record(prop: str, reason: str, n: int) -> None:
-        if prop not in found:
-            found.add(prop)
-            out.violations.append(Violation(prop, reason, trace(n), states[n]))
-
-    while frontier:
-        n = frontier.popleft()
-        s = states[n]
-        out.max_steps = max(out.max_steps, max(r.steps for r in s.ranks))
-        out.max_rounds = max(out.max_rounds, max(r.round for r in s.ranks))
-        bad = False
-        for name, prop in checks.items():
-            reason = prop(s, cfg)
-            if reason is not None:
-                record(name, reason, n)
-                bad = True
-        if bad:
-            continue
-        try:
-            succ = list(model.successors(s))
-        except ODBError as exc:
-            record(type(exc).__name__, str(exc), n)
-            continue
-        if not succ:
-            if s.all_done:
-                out.terminals.append((s, trace(n)))
-            else:
-                record("DeadlockFreedom", "no action enabled and not all ranks done", n)
-        for action, t in succ:
-            out.edges += 1
-            if t not in index:
-                index[t] = len(states)
-                states.append(t)
-                parent.append((n, action.label))
-                frontier.append(index[t])
-        if len(states) > budget:
-            out.complete = False
-            break
-    out.states = len(states)
-    return out
-
-
 def check_passes(
     cfg: ModelConfig, *, max_states: int = 500_000, properties: Iterable[str] | None = None
 ) -> CheckReport:
@@ -259,14 +184,14 @@ def check_passes(
     )
     wanted = set(properties) if properties is not None else None
     invariants = {k: v for k, v in INVARIANTS.items() if wanted is None or k in wanted}
-    first = _explore(GlobalModel(cfg), cfg, invariants, [], max_states)
-    report.states, report.edges = first.states, first.edges
+    first = explore(GlobalModel(cfg), cfg, invariants, max_states=max_states)
+    report.states, report.edges = len(first.states), first.edge_count
     report.max_steps_seen, report.max_rounds_seen = first.max_steps, first.max_rounds
     report.steps_bound = max(cfg.samples_per_rank)
     report.rounds_bound = report.steps_bound + 1
     report.violations.extend(first.violations)
     report.complete = first.complete
-    checks: dict[str, _Check] = {
+    checks: dict[str, StateCheck] = {
         **invariants,
         **{
             k: v
@@ -279,7 +204,8 @@ def check_passes(
     }
     seen: set[frozenset[int]] = set()
     report.config["plans"] = report.config["fair_plans"] = 0
-    for closed, trace in first.terminals:
+    for n in first.terminals:
+        closed = first.states[n]
         if closed.ledger in seen or not closed.ledger:
             continue
         seen.add(closed.ledger)
@@ -289,11 +215,15 @@ def check_passes(
         report.steps_bound = max(report.steps_bound, *cfg2.samples_per_rank)
         report.rounds_bound = report.steps_bound + 1
         turn = f"NextPass({','.join(map(str, sorted(closed.ledger)))})"
-        second = _explore(
-            CarriedFirstArrival(cfg2), cfg2, checks, [*trace, turn], max_states - report.states
+        second = explore(
+            CarriedFirstArrival(cfg2),
+            cfg2,
+            checks,
+            max_states=max_states - report.states,
+            prefix=[*first.trace(n), turn],
         )
-        report.states += second.states
-        report.edges += second.edges
+        report.states += len(second.states)
+        report.edges += second.edge_count
         report.terminal_states += len(second.terminals)
         report.max_steps_seen = max(report.max_steps_seen, second.max_steps)
         report.max_rounds_seen = max(report.max_rounds_seen, second.max_rounds)
