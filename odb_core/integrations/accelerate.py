@@ -33,7 +33,7 @@ import accelerate  # type: ignore[import-untyped]
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderStateMixin  # type: ignore[import-untyped]
-from accelerate.state import GradientState  # type: ignore[import-untyped]
+from accelerate.state import AcceleratorState, GradientState  # type: ignore[import-untyped]
 from accelerate.utils import DistributedType, send_to_device  # type: ignore[import-untyped]
 
 from odb_core.errors import ConfigError
@@ -70,7 +70,11 @@ _warned: set[str] = set()
 def check_accelerate_version(version: str | None = None) -> bool:
     """Warn once when `accelerate.__version__` is outside the supported range; raise
     `ConfigError` when a member the adapter relies on is missing."""
-    owners = {"DataLoaderStateMixin": DataLoaderStateMixin, "GradientState": GradientState}
+    owners = {
+        "DataLoaderStateMixin": DataLoaderStateMixin,
+        "GradientState": GradientState,
+        "AcceleratorState": AcceleratorState,
+    }
     owners["Accelerator"] = Accelerator
     return versions.gate("accelerate", version or accelerate.__version__, owners, _warned)
 

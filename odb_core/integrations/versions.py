@@ -128,6 +128,11 @@ PRIVATE_MEMBERS: dict[str, dict[str, str]] = {
         "Accelerator.sync_gradients": "its setter: the loader's window boundary (1.16)",
         "Accelerator._schedulers": "the prepared schedulers: a step-sized one on a short epoch "
         "is warned about (1.16)",
+        # read by odb_core.torch.trainer_checks (a live Accelerator's accumulation), from
+        # sys.modules only: that module never imports accelerate
+        "GradientState._shared_state": "its plugin_kwargs['num_steps']: Accelerate's own "
+        "accumulation under an ODBDataLoader is refused (1.16)",
+        "AcceleratorState._shared_state": "empty until an Accelerator exists (1.16)",
     },
     "lightning": {},  # public API only (checked on 2.6): its gate's `public` members
 }

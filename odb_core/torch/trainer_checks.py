@@ -23,7 +23,9 @@ def check_trainer_context(loader: Any) -> None:
 
 
 def _check_accelerate_accumulation() -> None:
-    """A live Accelerator's own accumulation (`check_accelerate_accumulation`)."""
+    """A live Accelerator's own accumulation (`check_accelerate_accumulation`). The
+    private members read here are in `versions.PRIVATE_MEMBERS["accelerate"]`
+    (tests/test_trainer_checks_members.py holds the two equal)."""
     state = sys.modules.get("accelerate.state")
     gradient_state = getattr(state, "GradientState", None)
     shared = getattr(gradient_state, "_shared_state", None)
