@@ -23,12 +23,19 @@ serve = (
     f"s = TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False)\n"
     "print('up', flush=True)\ntime.sleep(120)\n"
 )
-host = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE)
+# the host and the waker must not hold this script's stderr open: the test reads it to EOF
+host = subprocess.Popen(
+    [sys.executable, "-c", serve], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+)
 print(host.pid, flush=True)
 assert host.stdout is not None and host.stdout.readline().strip() == b"up"
 store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
 os.kill(host.pid, signal.SIGSTOP)
-subprocess.Popen(["sh", "-c", f"sleep 1; kill -CONT {host.pid}"])
+subprocess.Popen(
+    ["sh", "-c", f"sleep 1; kill -CONT {host.pid}"],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+)
 board = PeerBoard(store, 1, 0, 2, 30.0)
 board.start_watch()  # its first beat waits on the stalled store
 time.sleep(0.2)
