@@ -44,7 +44,7 @@ datasets = pytest.importorskip("datasets")
 
 import torch.multiprocessing as mp  # noqa: E402
 from gloo_ranks import set_rank_env  # noqa: E402
-from sft_support import Reference, flat_grad, rel_l2, tiny_llama  # noqa: E402
+from sft_support import MODELS, Reference, flat_grad, rel_l2, tiny_llama  # noqa: E402
 from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 
 from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
@@ -152,6 +152,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
 }
 SCENARIOS["per_micro_step"] = {**SCENARIOS["padded_g2"], "broken": True}
+# PEFT LoRA (`sft_support.lora_llama`, on the attention projections) through TRL.
+SCENARIOS["packed_g2_lora"] = {**SCENARIOS["packed_g2"], "model": "lora"}
 COMMON_ODB = {
     "deterministic": True,
     "buffer_size": 16,
@@ -193,7 +195,7 @@ def make_trainer(name: str, out: Path) -> tuple[Any, Recorder]:
     rec = Recorder()
     cls = PerMicroStep if sc.get("broken") else ODBSFTTrainer
     trainer = cls(
-        model=tiny_llama(seed=0),
+        model=MODELS[sc.get("model", "full")](seed=0),
         args=sft_config(out, ddp_backend="gloo", **sc["args"]),
         train_dataset=prompt_completion(**sc["data"]),
         processing_class=word_tokenizer(),
@@ -281,8 +283,11 @@ class Prepared(torch.utils.data.Dataset):  # type: ignore[misc]
 
 @pytest.fixture(scope="module")
 def refs(ranks: list[dict[str, Any]]) -> dict[str, Reference]:
-    model = tiny_llama(seed=0)
-    return {name: Reference(model, Prepared(ranks[0][name]["samples"])) for name in SCENARIOS}
+    models = {kind: build(seed=0) for kind, build in MODELS.items()}
+    return {
+        name: Reference(models[sc.get("model", "full")], Prepared(ranks[0][name]["samples"]))
+        for name, sc in SCENARIOS.items()
+    }
 
 
 def window_ids(ranks: list[dict[str, Any]], name: str, w: int) -> list[int]:
@@ -332,7 +337,9 @@ def test_trl_prepares_the_data_and_collates_it(ranks: list[dict[str, Any]]) -> N
 
 
 @distributed
-@pytest.mark.parametrize("name", ["padded_g1", "padded_g2", "packed_g1", "packed_g2"])
+@pytest.mark.parametrize(
+    "name", ["padded_g1", "padded_g2", "packed_g1", "packed_g2", "packed_g2_lora"]
+)
 def test_every_window_matches_the_single_process_mean(
     ranks: list[dict[str, Any]], refs: dict[str, Reference], name: str
 ) -> None:
@@ -362,6 +369,18 @@ def test_every_window_matches_the_single_process_mean(
         micro = rel_l2(per_micro_step_mean(ref, ranks, name, 0), want)
         print(f"[{name}] window 0, per-micro-step normalisation {micro:.3g}")
         assert micro > WRONG
+
+
+@distributed
+def test_lora_trains_the_adapter_weights_only(
+    ranks: list[dict[str, Any]], refs: dict[str, Reference]
+) -> None:
+    model = refs["packed_g2_lora"].model
+    adapter = torch.cat(
+        [torch.full((p.numel(),), "lora_" in n) for n, p in model.named_parameters()]
+    )
+    for w in ranks[0]["packed_g2_lora"]["windows"]:
+        assert (w["grad"][~adapter] == 0).all() and (w["grad"][adapter] != 0).any()
 
 
 @distributed
