@@ -5,7 +5,7 @@
         args=SFTConfig(output_dir="out", num_train_epochs=3, gradient_accumulation_steps=4),
         train_dataset=dataset,            # what SFTTrainer takes: text, prompt-completion, chat
         processing_class=tokenizer,
-        odb=ODBArguments(token_budget=16384),   # cost_model="packed" with padding_free=True
+        odb=ODBArguments(token_budget=16384),  # padding_free=True: cost_model="packed", max_length=None
     )
     trainer.train()
 
