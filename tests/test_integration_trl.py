@@ -434,6 +434,27 @@ def test_a_config_odb_cannot_honour_raises_naming_the_option(
         assert name in str(err.value), (name, str(err.value))
 
 
+def test_samples_truncation_drops_raise_and_cuts_warn(tmp_path: Path) -> None:
+    """TRL truncates to max_length and drops a sample left without a loss token: the
+    drop raises naming max_length; samples cut to max_length are warned about; with
+    max_length=None nothing is cut (the reference lengths)."""
+    tok = word_tokenizer()
+    rows = prompt_completion(8, seed=0)
+    prompts = [len(tok(r["prompt"])["input_ids"]) for r in rows]
+    full = [len(tok(r["prompt"] + r["completion"])["input_ids"]) + 1 for r in rows]  # + EOS
+    with pytest.raises(ConfigError, match=r"max_length=4\): TRL's dataset preparation dropped"):
+        build(tmp_path, max_length=4)
+    cut_at = max(prompts) + 1
+    assert cut_at < max(full), "no sample would be cut: the check would be vacuous"
+    cut = sum(n >= cut_at for n in full)
+    with pytest.warns(UserWarning, match=f"max_length={cut_at}\\): {cut} of 8 samples"):
+        build(tmp_path, max_length=cut_at)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        kept = build(tmp_path, max_length=None)
+    assert [len(r["input_ids"]) for r in kept.train_dataset] == full
+
+
 def test_consistent_configs_build(tmp_path: Path) -> None:
     """The checks are not vacuous: the same trainer with consistent options builds."""
     padded = build(tmp_path, {"cost_model": "padded"}, max_length=256)

@@ -5,7 +5,7 @@
         args=SFTConfig(output_dir="out", num_train_epochs=3, gradient_accumulation_steps=4),
         train_dataset=dataset,            # what SFTTrainer takes: text, prompt-completion, chat
         processing_class=tokenizer,
-        odb=ODBArguments(token_budget=16384),  # padding_free=True: cost_model="packed", max_length=None
+        odb=ODBArguments(token_budget=16384),  # padding_free=True: cost_model="packed"
     )
     trainer.train()
 
@@ -30,13 +30,16 @@ What TRL offers that an ODB run cannot honour raises at construction, naming the
 option and its fix (`check_sft_config`): `packing=True` (offline packing before the
 loader sees a sample), a `max_length` one sample of which exceeds the token budget,
 `max_length` with `padding_free=True` (TRL does not truncate there), and a cost
-model that does not describe TRL's collator. docs/TRAINERS.md, "TRL SFTTrainer".
+model that does not describe TRL's collator. A `max_length` whose truncation left a
+sample without a loss token (TRL drops those) raises; samples truncated to it are
+warned about. docs/TRAINERS.md, "TRL SFTTrainer".
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from trl.trainer.sft_config import SFTConfig
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling, SFTTrainer
@@ -108,9 +111,39 @@ class ODBSFTTrainer(ODBHFTrainer, SFTTrainer):  # type: ignore[misc]
 
     def __init__(self, *args: Any, odb: ODBArguments | Mapping[str, Any], **kwargs: Any) -> None:
         odb_args = ODBArguments.coerce(odb)
-        check_sft_config(kwargs.get("args", args[1] if len(args) > 1 else None), odb_args)
+        config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        check_sft_config(config, odb_args)
+        given: Any = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
+        rows = len(given) if hasattr(given, "__len__") else None
         super().__init__(*args, odb=odb_args, **kwargs)
         self._check_collator_cost(odb_args)
+        self._check_prepared(rows, cast(SFTConfig, self.args).max_length)
+
+    def _check_prepared(self, rows: int | None, max_length: int | None) -> None:
+        """What TRL's preparation did to the samples under `max_length`: dropping one
+        (left without a loss token by truncation) raises; samples at `max_length`
+        tokens (those TRL cut, and any exactly that long) are warned about."""
+        prepared: Any = self.train_dataset
+        if max_length is None or not hasattr(prepared, "column_names"):
+            return  # no truncation, or a stream (counted as it is read)
+        kept = len(prepared)
+        if rows is not None and kept < rows:
+            raise ConfigError(
+                f"SFTConfig(max_length={max_length}): TRL's dataset preparation dropped "
+                f"{rows - kept} of {rows} samples, left without a loss token once truncated "
+                "to max_length. Set max_length=None (the loader's oversize policy then "
+                "handles a long sample) or a larger max_length"
+            )
+        cut = sum(1 for ids in prepared["input_ids"] if len(ids) >= max_length)
+        if cut:
+            warnings.warn(
+                f"SFTConfig(max_length={max_length}): {cut} of {kept} samples are "
+                f"{max_length} tokens long after TRL's preparation, which truncates longer "
+                "ones to it; set max_length=None to keep every token (the loader's oversize "
+                "policy then handles a sample above token_budget)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def loss_takes_num_items(self) -> bool:
         """Always: every loss path of `SFTTrainer.compute_loss` divides by
