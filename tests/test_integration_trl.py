@@ -476,3 +476,29 @@ def test_args_must_be_an_sft_config(tmp_path: Path) -> None:
             processing_class=word_tokenizer(),
             odb=ODBArguments(token_budget=256),
         )
+
+
+def test_trl_version_gate() -> None:
+    """Inside the `[trl]` pin: no warning; outside it: one warning naming the range;
+    a TRL without a member the adapter relies on: `ConfigError` naming it."""
+    import trl
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from odb_core.integrations import trl as odb_trl
+    from odb_core.integrations import versions
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert odb_trl.check_trl_version(trl.__version__)
+    with pytest.warns(UserWarning, match="outside the range the odb-core trl adapter"):
+        assert not odb_trl.check_trl_version("1.99.0")
+    with pytest.raises(ConfigError, match=r"no SFTTrainer\.compute_loss"):
+        versions.gate("trl", trl.__version__, {"SFTTrainer": object}, set())
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["trl"]
+    (req,) = [Requirement(r) for r in extra if Requirement(r).name == "trl"]
+    assert trl.__version__ in req.specifier and trl.__version__ in SpecifierSet(
+        odb_trl.SUPPORTED_TRL
+    )

@@ -41,15 +41,39 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, cast
 
+import trl
 from trl.trainer.sft_config import SFTConfig
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling, SFTTrainer
 
 from odb_core.config import make_cost_model
 from odb_core.cost import BatchStats, CostKind, CostModel
 from odb_core.errors import ConfigError
+from odb_core.integrations import versions
 from odb_core.integrations.hf import ODBArguments, ODBHFTrainer
 
-__all__ = ["ODBArguments", "ODBSFTTrainer", "check_sft_config"]
+__all__ = [
+    "SUPPORTED_TRL",
+    "ODBArguments",
+    "ODBSFTTrainer",
+    "check_sft_config",
+    "check_trl_version",
+]
+
+#: The trl versions this adapter is tested with when odb-core's metadata names no
+#: `[trl]` range (`versions.GATES`).
+SUPPORTED_TRL = versions.GATES["trl"].fallback
+_warned: set[str] = set()
+
+
+def check_trl_version(version: str | None = None) -> bool:
+    """Warn once when `trl.__version__` is outside the supported range; raise
+    `ConfigError` when TRL lacks a member the adapter relies on."""
+    owners = {
+        "SFTTrainer": SFTTrainer,
+        "DataCollatorForLanguageModeling": DataCollatorForLanguageModeling,
+    }
+    return versions.gate("trl", version or trl.__version__, owners, _warned)
+
 
 #: The cost models that describe each of TRL's text collators.
 _PACKED_KINDS = (CostKind.PACKED.value, CostKind.ATTENTION.value)
@@ -110,6 +134,7 @@ class ODBSFTTrainer(ODBHFTrainer, SFTTrainer):  # type: ignore[misc]
     an `SFTConfig` (`check_sft_config`)."""
 
     def __init__(self, *args: Any, odb: ODBArguments | Mapping[str, Any], **kwargs: Any) -> None:
+        check_trl_version()
         odb_args = ODBArguments.coerce(odb)
         config = kwargs.get("args", args[1] if len(args) > 1 else None)
         check_sft_config(config, odb_args)
