@@ -371,6 +371,46 @@ def test_every_window_matches_the_single_process_mean(
         assert micro > WRONG
 
 
+def packed_rows_grad(ref: Reference, batches: list[list[int]], restart: bool) -> Any:
+    """The per-token mean gradient of `batches`, each flattened into one row as TRL's
+    padding-free collator does (each sample's first label masked), with position ids
+    restarting per sample (`restart`) or running on across the row (one sequence:
+    every sample attends to those before it)."""
+    model, total, tokens = ref.model, None, 0
+    for ids in batches:
+        samples = [ref.dataset[i] for i in ids]
+        row = torch.cat([s["input_ids"] for s in samples])[None]
+        labels = torch.cat([torch.cat([torch.tensor([-100]), s["labels"][1:]]) for s in samples])
+        if restart:
+            pos = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None]
+        else:
+            pos = torch.arange(row.shape[1])[None]
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=row, position_ids=pos).logits[0]
+        ce = torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="sum")
+        ce.backward()
+        g = flat_grad(model)
+        total = g if total is None else total + g
+        tokens += int((labels[1:] != -100).sum())
+    model.zero_grad(set_to_none=True)
+    return total / tokens
+
+
+@distributed
+def test_packed_rows_keep_samples_apart(
+    ranks: list[dict[str, Any]], refs: dict[str, Reference]
+) -> None:
+    """The check can see cross-sample attention: the same rows as one sequence each
+    (positions not restarting) miss the reference; with restarts they match it."""
+    ref = refs["packed_g1"]
+    batches = [r["packed_g1"]["windows"][0]["ids"][0] for r in ranks]
+    want = ref.mean(i for b in batches for i in b)
+    apart = rel_l2(packed_rows_grad(ref, batches, restart=True), want)
+    across = rel_l2(packed_rows_grad(ref, batches, restart=False), want)
+    print(f"[packed_g1] rows, positions restarting {apart:.3g}; one sequence {across:.3g}")
+    assert apart <= TOL < WRONG < across
+
+
 @distributed
 def test_lora_trains_the_adapter_weights_only(
     ranks: list[dict[str, Any]], refs: dict[str, Reference]
