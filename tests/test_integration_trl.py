@@ -154,6 +154,19 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 SCENARIOS["per_micro_step"] = {**SCENARIOS["padded_g2"], "broken": True}
 # PEFT LoRA (`sft_support.lora_llama`, on the attention projections) through TRL.
 SCENARIOS["packed_g2_lora"] = {**SCENARIOS["packed_g2"], "model": "lora"}
+# 2 epochs, a real learning rate, a checkpoint every 2 updates: resumed inside epoch 1.
+SCENARIOS["epochs"] = {
+    "data": {"n": 64, "seed": 6},
+    "odb": {"token_budget": 128, "cost_model": "padded", "seed": 5},
+    "args": {
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 1e-3,
+        "num_train_epochs": 2,
+        "save_strategy": "steps",
+        "save_steps": 2,
+    },
+}
+SAVE_EVERY = 2
 COMMON_ODB = {
     "deterministic": True,
     "buffer_size": 16,
@@ -183,6 +196,8 @@ class Recorder(TrainerCallback):
         infos = self.trainer.odb_window_info
         self.windows.append(
             {
+                "epoch": self.trainer.odb_loader.epoch,
+                "global_step": state.global_step,
                 "ids": [[int(x) for x in i.sample_ids] for i in infos],
                 "pads": [bool(i.is_pad) for i in infos],
                 "grad": flat_grad(kw["model"]),
@@ -190,13 +205,13 @@ class Recorder(TrainerCallback):
         )
 
 
-def make_trainer(name: str, out: Path) -> tuple[Any, Recorder]:
+def make_trainer(name: str, out: Path, **extra: Any) -> tuple[Any, Recorder]:
     sc = SCENARIOS[name]
     rec = Recorder()
     cls = PerMicroStep if sc.get("broken") else ODBSFTTrainer
     trainer = cls(
         model=MODELS[sc.get("model", "full")](seed=0),
-        args=sft_config(out, ddp_backend="gloo", **sc["args"]),
+        args=sft_config(out, ddp_backend="gloo", **{**sc["args"], **extra}),
         train_dataset=prompt_completion(**sc["data"]),
         processing_class=word_tokenizer(),
         odb=ODBArguments(**{**COMMON_ODB, **sc["odb"]}),
@@ -224,6 +239,13 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
                 "padding_free": bool(getattr(trainer.data_collator, "padding_free", False)),
                 "time": time.perf_counter() - t0,
             }
+        # Resume from the first checkpoint strictly inside epoch 1.
+        windows = result["epochs"]["windows"]
+        inside = [w["global_step"] + 1 for w in windows if w["epoch"] == 1][:-1]
+        step = next(s for s in inside if s % SAVE_EVERY == 0)
+        trainer, rec = make_trainer("epochs", Path(out, "resume"), save_strategy="no")
+        trainer.train(resume_from_checkpoint=str(Path(out, "epochs", f"checkpoint-{step}")))
+        result["resume"] = {"from": step, "windows": rec.windows}
         torch.save(result, Path(out, f"rank{rank}.pt"))
     except BaseException:
         Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
@@ -262,7 +284,7 @@ def launch(out: Path, timeout: float = 240) -> list[dict[str, Any]]:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     out = launch(tmp_path_factory.mktemp("trl"))
-    times = {k: round(v["time"], 1) for k, v in out[0].items()}
+    times = {k: round(v["time"], 1) for k, v in out[0].items() if "time" in v}
     print(f"\ntrl launch {time.perf_counter() - t0:.1f}s; per run {times}")
     return out
 
@@ -421,6 +443,41 @@ def test_lora_trains_the_adapter_weights_only(
     )
     for w in ranks[0]["packed_g2_lora"]["windows"]:
         assert (w["grad"][~adapter] == 0).all() and (w["grad"][adapter] != 0).any()
+
+
+@distributed
+def test_two_epochs_each_sample_once_and_resume_inside_epoch_1(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Every sample once per epoch, the same updates on both ranks; resumed from a
+    checkpoint inside epoch 1, the run trains exactly the updates the uninterrupted
+    one had from there (the same windows: deterministic, same world size)."""
+    n = SCENARIOS["epochs"]["data"]["n"]
+    run0, run1 = ranks[0]["epochs"], ranks[1]["epochs"]
+    assert [w["global_step"] for w in run0["windows"]] == [
+        w["global_step"] for w in run1["windows"]
+    ]
+    for epoch in (0, 1):
+        seen = [
+            i
+            for r in (run0, run1)
+            for w in r["windows"]
+            if w["epoch"] == epoch
+            for ids in w["ids"]
+            for i in ids
+        ]
+        assert sorted(seen) == list(range(n)), epoch
+    for r, full in zip(ranks, (run0, run1), strict=True):
+        res = r["resume"]
+        assert res["windows"], "the resumed run trained nothing"
+        assert res["windows"][0]["global_step"] == res["from"]
+        assert [w["ids"] for w in res["windows"]] == [w["ids"] for w in full["windows"]][
+            res["from"] :
+        ]
+        # A resume that restarted epoch 1 (the loader's state not loaded) would differ.
+        epoch1 = [w["ids"] for w in full["windows"] if w["epoch"] == 1]
+        assert [w["ids"] for w in res["windows"]] != epoch1
+    print(f"[resume] from update {ranks[0]['resume']['from']} of {len(run0['windows'])}")
 
 
 @distributed
