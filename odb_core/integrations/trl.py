@@ -102,8 +102,8 @@ def check_sft_config(config: Any, odb: ODBArguments) -> None:
             f"SFTConfig(packing=True, packing_strategy={config.packing_strategy!r}) packs the "
             "dataset offline into max_length rows before the ODBDataLoader sees a sample (and "
             "its 'bfd' truncates what does not fit a row): the loader would batch pre-packed "
-            "rows. Set packing=False; to pack online, set padding_free=True with odb "
-            "cost_model='packed' (each token-budget batch becomes one packed row)"
+            "rows. Set packing=False; to pack online, set padding_free=True, max_length=None "
+            "and odb cost_model='packed' (each token-budget batch becomes one packed row)"
         )
     cost = _cost_model(odb)
     if config.padding_free and config.max_length is not None:
