@@ -107,6 +107,36 @@ def prompt_completion(n: int, seed: int, skew: bool = False) -> Any:
     return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions})
 
 
+#: A chat template whose assistant turns are marked for TRL's assistant-only mask.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}</s>{% endgeneration %}{% else %}<s> {{ m['content'] }} {% endif %}"
+    "{% endfor %}"
+)
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    tok = word_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def conversations(n: int, seed: int) -> Any:
+    """`n` two-turn conversations (user, assistant, user, assistant) from the
+    prompt-completion rows: the second user turn's labels are masked mid-sample."""
+    rows = prompt_completion(2 * n, seed)
+    turns = [
+        [
+            {"role": "user", "content": rows[i]["prompt"]},
+            {"role": "assistant", "content": rows[i]["completion"].strip()},
+            {"role": "user", "content": rows[n + i]["prompt"]},
+            {"role": "assistant", "content": rows[n + i]["completion"].strip()},
+        ]
+        for i in range(n)
+    ]
+    return datasets.Dataset.from_dict({"messages": turns})
+
+
 def sft_config(out: Path, **extra: Any) -> Any:
     from trl import SFTConfig
 
@@ -167,6 +197,13 @@ SCENARIOS["epochs"] = {
     },
 }
 SAVE_EVERY = 2
+# A chat dataset, TRL's chat template and assistant-only loss, packed, G=2.
+SCENARIOS["chat_packed_g2"] = {
+    "chat": True,
+    "data": {"n": 64, "seed": 7},
+    "odb": {"token_budget": 256, "cost_model": "packed", "seed": 17},
+    "args": {"gradient_accumulation_steps": 2, "padding_free": True, "assistant_only_loss": True},
+}
 COMMON_ODB = {
     "deterministic": True,
     "buffer_size": 16,
@@ -212,8 +249,8 @@ def make_trainer(name: str, out: Path, **extra: Any) -> tuple[Any, Recorder]:
     trainer = cls(
         model=MODELS[sc.get("model", "full")](seed=0),
         args=sft_config(out, ddp_backend="gloo", **{**sc["args"], **extra}),
-        train_dataset=prompt_completion(**sc["data"]),
-        processing_class=word_tokenizer(),
+        train_dataset=(conversations if sc.get("chat") else prompt_completion)(**sc["data"]),
+        processing_class=chat_tokenizer() if sc.get("chat") else word_tokenizer(),
         odb=ODBArguments(**{**COMMON_ODB, **sc["odb"]}),
         callbacks=[rec],
     )
@@ -348,6 +385,8 @@ def test_trl_prepares_the_data_and_collates_it(ranks: list[dict[str, Any]]) -> N
         run = ranks[0][name]
         assert run["collator"] == "DataCollatorForLanguageModeling"
         assert run["padding_free"] == bool(sc["args"].get("padding_free"))
+        if sc.get("chat"):
+            continue  # test_assistant_only_labels
         rows = prompt_completion(**sc["data"])
         assert len(run["samples"]) == len(rows)
         for (ids, labels), row in zip(run["samples"], rows, strict=True):
@@ -359,8 +398,26 @@ def test_trl_prepares_the_data_and_collates_it(ranks: list[dict[str, Any]]) -> N
 
 
 @distributed
+def test_assistant_only_labels(ranks: list[dict[str, Any]]) -> None:
+    """TRL's chat template and assistant-only mask: the labels kept are exactly the
+    two assistant turns, each with its EOS; both user turns are -100."""
+    tok = word_tokenizer()
+    sc = SCENARIOS["chat_packed_g2"]
+    convs = conversations(**sc["data"])
+    samples = ranks[0]["chat_packed_g2"]["samples"]
+    assert len(samples) == len(convs)
+    for (ids, labels), conv in zip(samples, convs, strict=True):
+        answers = [m["content"] for m in conv["messages"] if m["role"] == "assistant"]
+        want = [t for a in answers for t in [*tok(a, add_special_tokens=False)["input_ids"], 3]]
+        assert [x for x in labels if x != -100] == want
+        first_user = len(tok(conv["messages"][0]["content"])["input_ids"])
+        assert labels[:first_user] == [-100] * first_user and len(ids) > len(want) + first_user
+
+
+@distributed
 @pytest.mark.parametrize(
-    "name", ["padded_g1", "padded_g2", "packed_g1", "packed_g2", "packed_g2_lora"]
+    "name",
+    ["padded_g1", "padded_g2", "packed_g1", "packed_g2", "packed_g2_lora", "chat_packed_g2"],
 )
 def test_every_window_matches_the_single_process_mean(
     ranks: list[dict[str, Any]], refs: dict[str, Reference], name: str
