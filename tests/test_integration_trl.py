@@ -9,9 +9,12 @@ and collates it (`DataCollatorForLanguageModeling`, padded or, under
 `padding_free=True`, one flattened row per batch with position ids restarting at
 every sample). The model is `sft_support.tiny_llama` (float64), whose forward TRL
 patches with its fused LM head.
+`chat_packed_g2` is the chat form: two-turn conversations through a chat template
+with `{% generation %}` markers and `assistant_only_loss=True` (both user turns
+masked). `epochs` runs 2 epochs with checkpoints and resumes inside epoch 1.
 
-Two gloo ranks run `trainer.train()` for each scenario, learning rate 0 (every
-window is compared against the seeded init); a callback records, at every
+Two gloo ranks run `trainer.train()` for each scenario, learning rate 0 but in
+`epochs` (every window is compared against the seeded init); a callback records, at every
 `on_pre_optimizer_step`, the window's sample ids and pad flags on each rank and
 the gradient DDP left. The parent compares each window's gradient with one
 process's per-token mean over the window's samples (each sample alone, unpadded,
