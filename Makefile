@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -U pip
 	# torch==2.13.0 is pinned: its CPU wheel is local; a range would pull a CUDA build.
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,torch,hf,vlm,accelerate,lightning,peft]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,torch,hf,vlm,accelerate,lightning,peft,trl]'
 	touch $@
 
 demo: $(STAMP)

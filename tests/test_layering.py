@@ -186,7 +186,7 @@ def test_no_adapter_module_names_a_forbidden_import() -> None:
         ("from odb_core import ODBDataLoader", (*FORBIDDEN_FOR_ADAPTERS, "transformers")),
         (
             "import odb_core.integrations.hf, odb_core.integrations.accelerate, "
-            "odb_core.integrations.lightning",
+            "odb_core.integrations.lightning, odb_core.integrations.trl",
             FORBIDDEN_FOR_ADAPTERS,
         ),
     ],

@@ -155,6 +155,17 @@ def build_trl(out: str) -> None:
         processing_class=_tokenizer(),
     )
     trainer.train()
+    from odb_core.integrations.trl import ODBSFTTrainer
+
+    odb = ODBSFTTrainer(
+        model=_llama(),
+        args=SFTConfig(**_hf_args(out), max_length=32),
+        train_dataset=Dataset.from_list(_token_rows(8)),
+        processing_class=_tokenizer(),
+        odb={"token_budget": 64},
+    )
+    odb.train()
+    odb.close_odb_loader()
 
 
 def _tokenizer() -> Any:

@@ -353,7 +353,7 @@ class ODBHFTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         meta = pop_step_meta(inputs)
         by_tokens = meta.loss_normalization is LossNormalization.TOKENS
-        sums = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        sums = self.loss_takes_num_items()
         if by_tokens and (sums or self.label_smoother is not None):
             # Σ token loss / num_items, num_items = window tokens / W, times the factor
             # the Trainer multiplies by afterwards (average_tokens_across_devices).
@@ -367,6 +367,13 @@ class ODBHFTrainer(Trainer):
             loss = cast(Any, result)[0] if return_outputs else cast(Any, result)
             loss = scaled_loss(meta, loss)  # this rank's mean x W x local / window; 0 on a pad
         return (loss, cast(Any, result)[1]) if return_outputs else loss
+
+    def loss_takes_num_items(self) -> bool:
+        """Whether the parent's `compute_loss` divides a summed token loss by its
+        `num_items_in_batch` (the model's own loss with loss kwargs, or a
+        `compute_loss_func`); otherwise it returns a mean, which the core's scale
+        rescales. A trainer subclass with its own loss overrides this."""
+        return bool(self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
 
     def _hf_loss_factor(self, sums: bool) -> float:
         """What Trainer.compute_loss multiplies a num_items-normalised loss by."""

@@ -1,5 +1,5 @@
 """Which trainer-library versions an adapter supports: the range its extra pins in
-odb-core's installed metadata (pyproject's `[hf]`, `[accelerate]`, `[lightning]`),
+odb-core's installed metadata (pyproject's `[hf]`, `[accelerate]`, `[lightning]`, `[trl]`),
 or the adapter's own fallback when odb-core was installed without it."""
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ PRIVATE_MEMBERS: dict[str, dict[str, str]] = {
         "AcceleratorState._shared_state": "empty until an Accelerator exists (1.16)",
     },
     "lightning": {},  # public API only (checked on 2.6): its gate's `public` members
+    "trl": {},  # public API only (checked on 1.16): its gate's `public` members
 }
 
 
@@ -172,6 +173,13 @@ GATES: dict[str, Gate] = {
             "Strategy.handles_gradient_accumulation",
             "TQDMProgressBar.total_train_batches",
         ),
+    ),
+    "trl": Gate(
+        "trl",
+        ">=1.16,<1.17",
+        "SFTTrainer's compute_loss dividing a token sum by num_items_in_batch on every "
+        "loss path, and its collator's padding_free rows",
+        public=("SFTTrainer.compute_loss", "DataCollatorForLanguageModeling.padding_free"),
     ),
 }
 

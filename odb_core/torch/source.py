@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
-from odb_core.errors import ODBError
+from odb_core.errors import ConfigError, ODBError
 from odb_core.torch.wire import Packed, pack
 
 
@@ -152,6 +152,13 @@ class MapSource(Dataset[list[Record] | Packed]):
         return len(self.dataset)
 
 
+def shards_by_worker(dataset: object) -> bool:
+    """Whether `dataset` splits itself across DataLoader workers: HF `datasets`'
+    IterableDataset does (`n_shards` shards dealt to the workers), by its module
+    name, so that `datasets` is never imported here."""
+    return type(dataset).__module__.split(".")[0] == "datasets" and hasattr(dataset, "n_shards")
+
+
 class IterSource(IterableDataset[list[Record] | Packed]):
     """IterableDataset wrapper, sharded by rank and worker.
 
@@ -177,6 +184,14 @@ class IterSource(IterableDataset[list[Record] | Packed]):
         buf: list[Record] = []
         p = 0
         try:
+            if self.partition and workers > 1 and shards_by_worker(self.dataset):
+                raise ConfigError(
+                    f"a streamed datasets.IterableDataset ({type(self.dataset).__name__}) "
+                    "hands each DataLoader worker only its own shards, so with partition=True "
+                    f"(every worker reads the whole stream) {workers} workers would drop samples: "
+                    "split it by node yourself (datasets.distributed.split_dataset_by_node) and "
+                    "pass partition=False with id_fn=, or num_workers=0 or 1"
+                )
             it = iter(self.dataset)
         except Exception as exc:
             yield _ship([_failure(0, exc)])
