@@ -67,7 +67,7 @@ STRATEGIES = (
 )
 ODB_STRATEGIES = tuple(RECIPES)
 THROUGHPUT_DEFAULT = ("standard", "grouped", "gmt", "odb-padded", "odb-packed", "odb-ref")
-VLM_DEFAULT = ("standard", "grouped", "grouped-estimate", "gmt", "odb-padded")
+VLM_DEFAULT = ("standard", "grouped", "grouped-estimate", "gmt", "odb-padded", "odb-packed")
 VLM_QUALITY_DEFAULT = (*VLM_DEFAULT, "odb-linear-lr")
 PLANNED = ("gmt", "grouped", "grouped-estimate")  # offline plans over a _Batches sampler
 QUALITY_DEFAULT = tuple(s for s in STRATEGIES if s not in ("odb-ref", "grouped-estimate"))
@@ -154,11 +154,6 @@ def _validate_vlm(params: dict[str, Any]) -> None:
     if params.get("regime", "scratch") != "scratch":
         raise ValueError(
             f"--regime finetune is text-only; --model {params['model']} trains scratch"
-        )
-    if "odb-packed" in params["strategies"]:
-        raise ValueError(
-            f"--model {params['model']}: odb-packed needs a multimodal-RoPE packed collate "
-            "(not in this bench yet); leave it out"
         )
 
 
@@ -366,6 +361,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
         fixed_batch_tokens,
         match_fixed_batch,
     )
+    from odb_core.torch.collate import check_packed_model
     from odb_core.torch.loader import ODBDataLoader
     from odb_core.torch.meta import causal_lm_loss, pop_step_meta
     from odb_core.torch.profile import sample_profile
@@ -385,10 +381,12 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
         wkw.update(persistent_workers=True, multiprocessing_context="fork")
     fixed_batch = max(1, budget // max_len)
     model = wl.model(seed)
+    strategies: list[str] = params["strategies"]
+    if any(RECIPES[s].packed for s in strategies if s in RECIPES):
+        check_packed_model(model)  # packed rows must attend within each sample only
     init_state = copy.deepcopy(model.state_dict())
     vision_s = _forward_timer(wl.vision_tower(model))
     ddp = DistributedDataParallel(model, find_unused_parameters=wl.find_unused_parameters)
-    strategies: list[str] = params["strategies"]
     schedule = Schedule(Shape.LINEAR, warmup=WARMUP)
     odb_kw: dict[str, Any] = {
         "shuffle": True,

@@ -121,7 +121,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="comma-separated subset to run (default: standard, grouped, gmt, odb-padded, "
         "odb-packed, odb-ref; with --quality every strategy and recipe but odb-ref; "
-        "qwen3-vl-tiny: standard, grouped, grouped-estimate, gmt, odb-padded; with "
+        "qwen3-vl-tiny: standard, grouped, grouped-estimate, gmt, odb-padded, odb-packed; with "
         "--quality also odb-linear-lr)",
     )
     q = p.add_argument_group(
