@@ -111,11 +111,20 @@ def test_vlm_options_fail_clearly(
     assert match in capsys.readouterr().err
 
 
-def test_grouped_estimate_needs_a_vlm(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--strategies", "grouped-estimate"], "groups by modality: it needs a VLM"),
+        (["--lora"], "--lora is for a VLM --model"),
+    ],
+)
+def test_vlm_only_options_refuse_a_text_model(
+    args: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from odb_core.cli import main
 
-    assert main(["bench", "--model", "llama-tiny", "--strategies", "grouped-estimate"]) == 2
-    assert "groups by modality: it needs a VLM" in capsys.readouterr().err
+    assert main(["bench", "--model", "llama-tiny", *args]) == 2
+    assert match in capsys.readouterr().err
 
 
 def _packed_sample_losses(
@@ -200,3 +209,40 @@ def test_tiny_vlm_run_every_strategy_reports() -> None:
     assert {"odb-padded/grouped-estimate", "odb-padded/grouped_incl_length_pass"} <= set(
         r["ratios"]
     )
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_lora_trains_only_the_adapters(lora: bool) -> None:
+    """`--lora`: one optimizer step of the bench's model on a packed batch changes
+    `lora_` weights (on the language model's attention projections) and nothing
+    else. The full-FT model is the variant that changes more: the check can fail."""
+    from odb_core.bench.vlm_workload import VLMWorkload
+
+    wl = VLMWorkload("qwen3-vl-tiny", 1024, lora=lora)
+    ds = wl.dataset(12, 0)
+    images = [i for i, r in enumerate(ds.raw) if r.kind == Kind.OCR_VQA]
+    model = wl.model(0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = wl.collate(True)([ds[images[0]], ds[images[1]]])
+    for key in ("bench_ids", "bench_collate_s", "use_cache"):
+        batch.pop(key)
+    labels = batch.pop("labels")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    logits = model(**batch, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:]).backward()
+    opt.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    only_lora = {n for n in changed if "lora_" in n}
+    if not lora:
+        assert changed - only_lora
+        return
+    assert changed and changed == only_lora, sorted(changed - only_lora)[:3]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in before if "lora_" in n}
+    assert all(".language_model." in n and ".self_attn." in n for n in trainable)
+    assert {n.split(".self_attn.")[1].split(".")[0] for n in trainable} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    }

@@ -92,6 +92,11 @@ def validate(params: dict[str, Any]) -> list[str]:
         raise ValueError(f"unknown --model {params['model']!r}; expected one of {known}")
     if vlm:
         _validate_vlm(params)
+    elif params.get("lora"):
+        raise ValueError(
+            f"--lora is for a VLM --model ({', '.join(VLM_MODELS)}); --model "
+            f"{params['model']} trains full"
+        )
     if importlib.util.find_spec("transformers") is None:
         raise ValueError("--model needs transformers: pip install 'odb-core[hf]'")
     if params["max_len"] < MIN_LEN:
@@ -155,6 +160,8 @@ def _validate_vlm(params: dict[str, Any]) -> None:
         raise ValueError(
             f"--regime finetune is text-only; --model {params['model']} trains scratch"
         )
+    if params.get("lora") and importlib.util.find_spec("peft") is None:
+        raise ValueError("--lora needs peft: pip install 'odb-core[peft]'")
 
 
 def workload_for(params: dict[str, Any]) -> Any:
@@ -162,7 +169,7 @@ def workload_for(params: dict[str, Any]) -> Any:
     if params["model"] in VLM_MODELS:
         from odb_core.bench.vlm_workload import VLMWorkload
 
-        return VLMWorkload(params["model"], params["max_len"])
+        return VLMWorkload(params["model"], params["max_len"], lora=bool(params.get("lora")))
     return TextWorkload(params["model"], params["max_len"])
 
 
@@ -781,7 +788,11 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                 )
             if errors:
                 raise RuntimeError("; ".join(errors))
-    result = _report(params, runs, timelines, fixed_batch)
+    counts = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    result = _report({**params, **counts}, runs, timelines, fixed_batch)
     if quality:
         from odb_core.bench.quality import summarise as quality_summary
 

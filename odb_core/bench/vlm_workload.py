@@ -77,6 +77,23 @@ def build_vlm(size: str, seed: int) -> Any:
     return use_packed_attention(Qwen3VLForConditionalGeneration(vlm_config(size)))
 
 
+# PEFT LoRA (`--lora`): adapters on the language model's attention projections only;
+# the vision tower, merger, embeddings, MLPs and norms stay frozen.
+LORA_TARGETS = r"model\.language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"
+LORA_RANK = 8
+
+
+def with_lora(model: Any) -> Any:
+    """`model` under PEFT LoRA (rank 8, alpha 16, on `LORA_TARGETS`): only the
+    `lora_` weights train."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=LORA_TARGETS
+    )
+    return get_peft_model(model, config)
+
+
 def rope_index(size: str) -> Any:
     """The model class's own multimodal position function on the bench's config
     (picklable; no model built)."""
@@ -133,21 +150,24 @@ class VLMWorkload:
     # a step whose batch holds no image leaves the vision tower without gradients
     find_unused_parameters = True
 
-    def __init__(self, size: str, max_len: int) -> None:
+    def __init__(self, size: str, max_len: int, lora: bool = False) -> None:
         self.size = size
         self.max_len = max_len
+        self.lora = lora
 
     def dataset(self, n: int, seed: int) -> VLMSFT:
         return VLMSFT(n, self.max_len, seed)
 
     def model(self, seed: int) -> Any:
-        return build_vlm(self.size, seed)
+        model = build_vlm(self.size, seed)
+        return with_lora(model) if self.lora else model
 
     def collate(self, packed: bool) -> VLMCollate:
         return VLMCollate(rope_index(self.size) if packed else None)
 
     def vision_tower(self, model: Any) -> Any:
-        return model.model.visual
+        base = model.get_base_model() if self.lora else model
+        return base.model.visual
 
     def eval_batch(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """A held-out chunk as one padded batch (labels included)."""
