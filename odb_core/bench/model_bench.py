@@ -24,6 +24,9 @@ training time, every schedule linear to 0 at the run's last update (fixed-batch
 strategies: LambdaLR over their exact step count; odb: `ProgressLR`), and the
 time-to-target / held-out-gap summary of `odb_core.bench.quality`.
 
+`--model qwen3-vl-tiny` (docs/VLM.md) adds `grouped-estimate` (LLaVA's
+`group_by_modality_length`, no pass); `--lora` trains PEFT adapters only.
+
 Every odb-core run must have equal steps on every rank and every id exactly once;
 the bench raises otherwise. The model and the run are CPU-sized by default.
 """

@@ -1,7 +1,8 @@
 """The VLM workload of `odb bench --model qwen3-vl-tiny`: transformers' own
 `Qwen3VLForConditionalGeneration` built from a small config (vision tower and
-language model, no download), the batch collator, and the hooks
-`odb_core.bench.model_bench` runs it through (`VLMWorkload`)."""
+language model, no download), the batch collator (padded rows, or packed rows
+with each sample's own multimodal positions), `--lora`'s PEFT adapters, and the
+hooks `odb_core.bench.model_bench` runs it through (`VLMWorkload`)."""
 
 from __future__ import annotations
 
