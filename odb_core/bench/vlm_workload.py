@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from odb_core.bench.vlm_preprocess import MERGE, PATCH, TEMPORAL, VLMSFT, VOCAB, token_id
+
+if TYPE_CHECKING:
+    from odb_core.torch.vlm import MRopeIndex
 
 # name: (vision depth, vision hidden, text layers, text hidden, text intermediate)
 VLM_SIZES: dict[str, tuple[int, int, int, int, int]] = {
@@ -95,7 +98,7 @@ def with_lora(model: Any) -> Any:
     return get_peft_model(model, config)
 
 
-def rope_index(size: str) -> Any:
+def rope_index(size: str) -> MRopeIndex:
     """The model class's own multimodal position function on the bench's config
     (picklable; no model built)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
@@ -113,7 +116,7 @@ class VLMCollate:
     instead (`VLMPackCollate`: each sample's own 3-D positions from the model's
     `get_rope_index`, `use_cache=False`)."""
 
-    def __init__(self, rope: Any = None) -> None:
+    def __init__(self, rope: MRopeIndex | None = None) -> None:
         from odb_core.torch.vlm import VLMPackCollate
 
         self.pack = None if rope is None else VLMPackCollate(rope)
