@@ -10,6 +10,7 @@ import io
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from guards import HANG_GUARD_S
@@ -98,7 +99,6 @@ def test_modality_grouping_keeps_modalities_apart_and_every_id_once() -> None:
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (["--strategies", "standard,odb-packed"], "odb-packed needs a multimodal-RoPE"),
         (["--regime", "finetune", "--quality"], "--regime finetune is text-only"),
     ],
 )
@@ -111,16 +111,80 @@ def test_vlm_options_fail_clearly(
     assert match in capsys.readouterr().err
 
 
-def test_grouped_estimate_needs_a_vlm(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--strategies", "grouped-estimate"], "groups by modality: it needs a VLM"),
+        (["--lora"], "--lora is for a VLM --model"),
+    ],
+)
+def test_vlm_only_options_refuse_a_text_model(
+    args: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from odb_core.cli import main
 
-    assert main(["bench", "--model", "llama-tiny", "--strategies", "grouped-estimate"]) == 2
-    assert "groups by modality: it needs a VLM" in capsys.readouterr().err
+    assert main(["bench", "--model", "llama-tiny", *args]) == 2
+    assert match in capsys.readouterr().err
+
+
+def _packed_sample_losses(
+    model: Any, samples: list[dict[str, Any]], use_cache: bool
+) -> list[float]:
+    """Each sample's summed token cross-entropy read from the bench's packed row."""
+    from odb_core.bench.vlm_workload import VLMCollate, rope_index
+    from odb_core.torch.collate import packed_segments
+
+    batch = VLMCollate(rope_index("qwen3-vl-tiny"))(samples)
+    for key in ("bench_ids", "bench_collate_s", "use_cache"):
+        batch.pop(key)
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        logits = model(**batch, use_cache=use_cache).logits
+    segments = packed_segments(batch["position_ids"][0])[0]
+    assert [e - s for s, e in segments] == [len(x["input_ids"]) for x in samples]
+    return [_ce(logits[0, s:e], labels[0, s:e]) for s, e in segments]
+
+
+def _ce(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    ce = torch.nn.functional.cross_entropy
+    return float(ce(logits[:-1], labels[1:], ignore_index=-100, reduction="sum"))
+
+
+def test_the_bench_packs_each_sample_on_its_own() -> None:
+    """odb-packed's rows (the bench's model, collate and data, float64): each
+    sample's loss read from the packed row equals its loss alone, with and without
+    images. The broken variant, plain SDPA with a KV cache (transformers then
+    builds no per-sample mask), attends across samples and misses; the bench's
+    `check_packed_model` refuses that model."""
+    from odb_core.bench.vlm_workload import VLMWorkload
+    from odb_core.errors import ConfigError
+    from odb_core.torch.collate import check_packed_model
+
+    wl = VLMWorkload("qwen3-vl-tiny", 1024)
+    ds = wl.dataset(40, 0)
+    images = [i for i, r in enumerate(ds.raw) if r.kind == Kind.OCR_VQA]  # the short ones
+    text = [i for i, r in enumerate(ds.raw) if r.kind == Kind.TEXT]
+    samples = [ds[i] for i in (images[0], text[0], images[1])]
+    model = wl.model(0).to(torch.float64).eval()
+    alone = []
+    for s in samples:
+        b = wl.eval_batch([s])
+        labels = b.pop("labels")
+        with torch.no_grad():
+            alone.append(_ce(model(**b, use_cache=False).logits[0], labels[0]))
+    check_packed_model(model)
+    for got, want in zip(_packed_sample_losses(model, samples, True), alone, strict=True):
+        assert abs(got - want) <= 1e-9 * abs(want)
+    model.set_attn_implementation("sdpa")
+    crossed = _packed_sample_losses(model, samples, True)
+    assert max(abs(a - b) / b for a, b in zip(crossed[1:], alone[1:], strict=True)) > 1e-4
+    with pytest.raises(ConfigError, match="attend across samples"):
+        check_packed_model(model, {"use_cache": True})
 
 
 @pytest.mark.procs
 def test_tiny_vlm_run_every_strategy_reports() -> None:
-    strategies = ["standard", "grouped", "grouped-estimate", "gmt", "odb-padded"]
+    strategies = ["standard", "grouped", "grouped-estimate", "gmt", "odb-padded", "odb-packed"]
     cmd = [
         *ODB, "bench", "--model", "qwen3-vl-tiny", "--samples", "16", "--max-len", "1024",
         "--budget", "2048", "--repeats", "1", "--eval-samples", "2", "--workers", "1",
@@ -139,8 +203,46 @@ def test_tiny_vlm_run_every_strategy_reports() -> None:
         assert row["peak_rss_mb"] > 0 and len(row["runs"][0]["peak_rss_mb_per_rank"]) == 2
         assert row["vision_forward_s"] > 0, name
     rows = r["strategies"]
+    assert rows["odb-packed"]["padding"] == 0.0  # one packed row per step
     assert rows["grouped"]["precompute_s"] > 0 and rows["gmt"]["precompute_s"] > 0
     assert rows["grouped-estimate"]["precompute_s"] == 0  # no pass: lengths from the text
     assert {"odb-padded/grouped-estimate", "odb-padded/grouped_incl_length_pass"} <= set(
         r["ratios"]
     )
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_lora_trains_only_the_adapters(lora: bool) -> None:
+    """`--lora`: one optimizer step of the bench's model on a packed batch changes
+    `lora_` weights (on the language model's attention projections) and nothing
+    else. The full-FT model is the variant that changes more: the check can fail."""
+    from odb_core.bench.vlm_workload import VLMWorkload
+
+    wl = VLMWorkload("qwen3-vl-tiny", 1024, lora=lora)
+    ds = wl.dataset(12, 0)
+    images = [i for i, r in enumerate(ds.raw) if r.kind == Kind.OCR_VQA]
+    model = wl.model(0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = wl.collate(True)([ds[images[0]], ds[images[1]]])
+    for key in ("bench_ids", "bench_collate_s", "use_cache"):
+        batch.pop(key)
+    labels = batch.pop("labels")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    logits = model(**batch, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:]).backward()
+    opt.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    only_lora = {n for n in changed if "lora_" in n}
+    if not lora:
+        assert changed - only_lora
+        return
+    assert changed and changed == only_lora, sorted(changed - only_lora)[:3]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in before if "lora_" in n}
+    assert all(".language_model." in n and ".self_attn." in n for n in trainable)
+    assert {n.split(".self_attn.")[1].split(".")[0] for n in trainable} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    }

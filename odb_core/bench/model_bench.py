@@ -24,6 +24,9 @@ training time, every schedule linear to 0 at the run's last update (fixed-batch
 strategies: LambdaLR over their exact step count; odb: `ProgressLR`), and the
 time-to-target / held-out-gap summary of `odb_core.bench.quality`.
 
+`--model qwen3-vl-tiny` (docs/VLM.md) adds `grouped-estimate` (LLaVA's
+`group_by_modality_length`, no pass); `--lora` trains PEFT adapters only.
+
 Every odb-core run must have equal steps on every rank and every id exactly once;
 the bench raises otherwise. The model and the run are CPU-sized by default.
 """
@@ -67,7 +70,7 @@ STRATEGIES = (
 )
 ODB_STRATEGIES = tuple(RECIPES)
 THROUGHPUT_DEFAULT = ("standard", "grouped", "gmt", "odb-padded", "odb-packed", "odb-ref")
-VLM_DEFAULT = ("standard", "grouped", "grouped-estimate", "gmt", "odb-padded")
+VLM_DEFAULT = ("standard", "grouped", "grouped-estimate", "gmt", "odb-padded", "odb-packed")
 VLM_QUALITY_DEFAULT = (*VLM_DEFAULT, "odb-linear-lr")
 PLANNED = ("gmt", "grouped", "grouped-estimate")  # offline plans over a _Batches sampler
 QUALITY_DEFAULT = tuple(s for s in STRATEGIES if s not in ("odb-ref", "grouped-estimate"))
@@ -92,6 +95,11 @@ def validate(params: dict[str, Any]) -> list[str]:
         raise ValueError(f"unknown --model {params['model']!r}; expected one of {known}")
     if vlm:
         _validate_vlm(params)
+    elif params.get("lora"):
+        raise ValueError(
+            f"--lora is for a VLM --model ({', '.join(VLM_MODELS)}); --model "
+            f"{params['model']} trains full"
+        )
     if importlib.util.find_spec("transformers") is None:
         raise ValueError("--model needs transformers: pip install 'odb-core[hf]'")
     if params["max_len"] < MIN_LEN:
@@ -155,11 +163,8 @@ def _validate_vlm(params: dict[str, Any]) -> None:
         raise ValueError(
             f"--regime finetune is text-only; --model {params['model']} trains scratch"
         )
-    if "odb-packed" in params["strategies"]:
-        raise ValueError(
-            f"--model {params['model']}: odb-packed needs a multimodal-RoPE packed collate "
-            "(not in this bench yet); leave it out"
-        )
+    if params.get("lora") and importlib.util.find_spec("peft") is None:
+        raise ValueError("--lora needs peft: pip install 'odb-core[peft]'")
 
 
 def workload_for(params: dict[str, Any]) -> Any:
@@ -167,7 +172,7 @@ def workload_for(params: dict[str, Any]) -> Any:
     if params["model"] in VLM_MODELS:
         from odb_core.bench.vlm_workload import VLMWorkload
 
-        return VLMWorkload(params["model"], params["max_len"])
+        return VLMWorkload(params["model"], params["max_len"], lora=bool(params.get("lora")))
     return TextWorkload(params["model"], params["max_len"])
 
 
@@ -366,6 +371,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
         fixed_batch_tokens,
         match_fixed_batch,
     )
+    from odb_core.torch.collate import check_packed_model
     from odb_core.torch.loader import ODBDataLoader
     from odb_core.torch.meta import causal_lm_loss, pop_step_meta
     from odb_core.torch.profile import sample_profile
@@ -385,10 +391,12 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
         wkw.update(persistent_workers=True, multiprocessing_context="fork")
     fixed_batch = max(1, budget // max_len)
     model = wl.model(seed)
+    strategies: list[str] = params["strategies"]
+    if any(RECIPES[s].packed for s in strategies if s in RECIPES):
+        check_packed_model(model)  # packed rows must attend within each sample only
     init_state = copy.deepcopy(model.state_dict())
     vision_s = _forward_timer(wl.vision_tower(model))
     ddp = DistributedDataParallel(model, find_unused_parameters=wl.find_unused_parameters)
-    strategies: list[str] = params["strategies"]
     schedule = Schedule(Shape.LINEAR, warmup=WARMUP)
     odb_kw: dict[str, Any] = {
         "shuffle": True,
@@ -783,7 +791,11 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                 )
             if errors:
                 raise RuntimeError("; ".join(errors))
-    result = _report(params, runs, timelines, fixed_batch)
+    counts = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    result = _report({**params, **counts}, runs, timelines, fixed_batch)
     if quality:
         from odb_core.bench.quality import summarise as quality_summary
 

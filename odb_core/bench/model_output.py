@@ -13,6 +13,11 @@ def iter_table(result: dict[str, Any]) -> Iterator[str]:
         f"odb bench --model {p['model']}: {p['ranks']} gloo ranks (DDP, CPU), {p['samples']} "
         f"samples up to {p['max_len']} tokens, budget {p['budget']} tokens/rank/step "
         f"(standard batch {p['fixed_batch']}), {p['repeats']} interleaved repeats (medians)"
+        + (
+            f"; LoRA: {p['trainable_parameters']:,} of {p['parameters']:,} parameters train"
+            if p.get("lora")
+            else ""
+        )
     )
     yield (
         "| strategy | samples/s | incl. pass | tokens/s | padding | steps/rank | pad steps "

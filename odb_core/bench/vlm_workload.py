@@ -1,17 +1,21 @@
 """The VLM workload of `odb bench --model qwen3-vl-tiny`: transformers' own
 `Qwen3VLForConditionalGeneration` built from a small config (vision tower and
-language model, no download), the batch collator, and the hooks
-`odb_core.bench.model_bench` runs it through (`VLMWorkload`)."""
+language model, no download), the batch collator (padded rows, or packed rows
+with each sample's own multimodal positions), `--lora`'s PEFT adapters, and the
+hooks `odb_core.bench.model_bench` runs it through (`VLMWorkload`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from odb_core.bench.vlm_preprocess import MERGE, PATCH, TEMPORAL, VLMSFT, VOCAB, token_id
+
+if TYPE_CHECKING:
+    from odb_core.torch.vlm import MRopeIndex
 
 # name: (vision depth, vision hidden, text layers, text hidden, text intermediate)
 VLM_SIZES: dict[str, tuple[int, int, int, int, int]] = {
@@ -19,8 +23,8 @@ VLM_SIZES: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 
-def build_vlm(size: str, seed: int) -> Any:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+def vlm_config(size: str) -> Any:
+    from transformers import Qwen3VLConfig
 
     depth, v_hidden, layers, hidden, inter = VLM_SIZES[size]
     heads, head_dim = 4, hidden // 4
@@ -62,24 +66,68 @@ def build_vlm(size: str, seed: int) -> Any:
         tie_word_embeddings=True,
     )
     config._attn_implementation = "sdpa"
+    return config
+
+
+def build_vlm(size: str, seed: int) -> Any:
+    """The model on `"odb_varlen"` attention: plain SDPA for padded rows (they carry
+    an attention mask) and inside the vision tower (it splits by image itself),
+    SDPA per sample segment for packed rows (found from their text positions)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from odb_core.torch.collate import use_packed_attention
+
     torch.manual_seed(seed)
-    return Qwen3VLForConditionalGeneration(config)
+    return use_packed_attention(Qwen3VLForConditionalGeneration(vlm_config(size)))
+
+
+# PEFT LoRA (`--lora`): adapters on the language model's attention projections only;
+# the vision tower, merger, embeddings, MLPs and norms stay frozen.
+LORA_TARGETS = r"model\.language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"
+LORA_RANK = 8
+
+
+def with_lora(model: Any) -> Any:
+    """`model` under PEFT LoRA (rank 8, alpha 16, on `LORA_TARGETS`): only the
+    `lora_` weights train."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=LORA_TARGETS
+    )
+    return get_peft_model(model, config)
+
+
+def rope_index(size: str) -> MRopeIndex:
+    """The model class's own multimodal position function on the bench's config
+    (picklable; no model built)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    from odb_core.torch.vlm import MRopeIndex
+
+    return MRopeIndex(Qwen3VLModel, vlm_config(size))
 
 
 class VLMCollate:
     """Padded rows (the library's `pad_collate`, pad id `<|endoftext|>`) plus the
     batch's images: `pixel_values` concatenated in row order, `image_grid_thw` one
     row per image, `mm_token_type_ids` (the model's multimodal RoPE reads it); and
-    the bench's ids and collate time."""
+    the bench's ids and collate time. With `rope` (`rope_index`), one packed row
+    instead (`VLMPackCollate`: each sample's own 3-D positions from the model's
+    `get_rope_index`, `use_cache=False`)."""
 
-    def __init__(self, packed: bool) -> None:
-        if packed:
-            raise ValueError("qwen3-vl-tiny has no packed collate yet (multimodal RoPE)")
+    def __init__(self, rope: MRopeIndex | None = None) -> None:
+        from odb_core.torch.vlm import VLMPackCollate
+
+        self.pack = None if rope is None else VLMPackCollate(rope)
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         from odb_core.torch.collate import pad_collate
 
         start = time.perf_counter()
+        if self.pack is not None:
+            packed = self.pack(samples)
+            return self._bench_fields(packed, samples, start)
         core = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
         out: dict[str, Any] = pad_collate(core, pad_token_id=token_id("<|endoftext|>"))
         with_images = [s for s in samples if "pixel_values" in s]
@@ -88,6 +136,12 @@ class VLMCollate:
             out["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
             # what Qwen3VLProcessor returns beside input_ids: 1 on image tokens
             out["mm_token_type_ids"] = (out["input_ids"] == token_id("<|image_pad|>")).long()
+        return self._bench_fields(out, samples, start)
+
+    @staticmethod
+    def _bench_fields(
+        out: dict[str, Any], samples: Sequence[dict[str, Any]], start: float
+    ) -> dict[str, Any]:
         out["bench_ids"] = torch.tensor([int(s["idx"]) for s in samples], dtype=torch.long)
         out["bench_collate_s"] = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
         return out
@@ -100,25 +154,28 @@ class VLMWorkload:
     # a step whose batch holds no image leaves the vision tower without gradients
     find_unused_parameters = True
 
-    def __init__(self, size: str, max_len: int) -> None:
+    def __init__(self, size: str, max_len: int, lora: bool = False) -> None:
         self.size = size
         self.max_len = max_len
+        self.lora = lora
 
     def dataset(self, n: int, seed: int) -> VLMSFT:
         return VLMSFT(n, self.max_len, seed)
 
     def model(self, seed: int) -> Any:
-        return build_vlm(self.size, seed)
+        model = build_vlm(self.size, seed)
+        return with_lora(model) if self.lora else model
 
     def collate(self, packed: bool) -> VLMCollate:
-        return VLMCollate(packed)
+        return VLMCollate(rope_index(self.size) if packed else None)
 
     def vision_tower(self, model: Any) -> Any:
-        return model.model.visual
+        base = model.get_base_model() if self.lora else model
+        return base.model.visual
 
     def eval_batch(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """A held-out chunk as one padded batch (labels included)."""
-        out = VLMCollate(False)(samples)
+        out = VLMCollate()(samples)
         out.pop("bench_ids")
         out.pop("bench_collate_s")
         return out

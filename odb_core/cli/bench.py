@@ -117,11 +117,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="odb-core's batch former (default: its own, greedy)",
     )
     m.add_argument(
+        "--lora",
+        action="store_true",
+        help="qwen3-vl-tiny: every strategy trains PEFT LoRA adapters (rank 8) on the "
+        "language model's attention projections only (needs odb-core[peft])",
+    )
+    m.add_argument(
         "--strategies",
         default=None,
         help="comma-separated subset to run (default: standard, grouped, gmt, odb-padded, "
         "odb-packed, odb-ref; with --quality every strategy and recipe but odb-ref; "
-        "qwen3-vl-tiny: standard, grouped, grouped-estimate, gmt, odb-padded; with "
+        "qwen3-vl-tiny: standard, grouped, grouped-estimate, gmt, odb-padded, odb-packed; with "
         "--quality also odb-linear-lr)",
     )
     q = p.add_argument_group(
@@ -186,6 +192,7 @@ def run_model(args: argparse.Namespace) -> int:
         "regime": args.regime,
         "pretrain_samples": args.pretrain_samples or args.samples or 400,
         "checkpoints": 4,
+        "lora": args.lora,
     }
     result = model_bench.run_bench(params)  # progress lines go to stderr
     if args.plot:
