@@ -317,6 +317,7 @@ class _Run:
         self.epoch_ids: list[list[int]] = []
         self.epoch_steps: list[int] = []
         self.timeline: list[tuple[float, float, float, int, int, int, bool]] = []
+        self.step_ids: list[list[int]] = []  # per timeline step (simulator/fit_bench.py)
 
 
 class _Batches:
@@ -643,6 +644,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                     run.wait += t_got - t_wait
                     run.peak_rss = max(run.peak_rss, _rss_mb())
                     run.peak_shm = max(run.peak_shm, _shm_mb() - shm0)
+                    run.step_ids.append([int(i) for i in ids])
                     run.timeline.append(
                         (
                             t_wait - start - eval_s,
@@ -719,6 +721,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
     curves: dict[str, list[Any]] = {s: [] for s in strategies}
     timelines: dict[str, Any] = {}
+    rank_steps: dict[str, Any] = {}  # every rank's timeline and step ids, last repeat
     errors: list[str] = []
     init_states = [init_for(rep) for rep in range(params["repeats"])]
     for rep in range(params["repeats"]):
@@ -743,6 +746,8 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                 "shm": run.peak_shm,
                 "ids": run.epoch_ids,
                 "epoch_steps": run.epoch_steps,
+                "timeline": run.timeline if rep == params["repeats"] - 1 else None,
+                "step_ids": run.step_ids if rep == params["repeats"] - 1 else None,
             }
             per_rank: list[Any] = [None] * world
             dist.all_gather_object(per_rank, mine)
@@ -772,6 +777,9 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             curves[name].append(curve)
             if rep == params["repeats"] - 1:
                 timelines[name] = run.timeline if rank == 0 else None
+                rank_steps[name] = [
+                    {"timeline": r["timeline"], "ids": r["step_ids"]} for r in per_rank
+                ]
             if rank == 0 and progress:
                 print(
                     f"[odb bench] repeat {rep + 1}/{params['repeats']} {name:13} "
@@ -784,6 +792,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             if errors:
                 raise RuntimeError("; ".join(errors))
     result = _report(params, runs, timelines, fixed_batch)
+    result["timeline_ranks_last_repeat"] = rank_steps
     if quality:
         from odb_core.bench.quality import summarise as quality_summary
 
