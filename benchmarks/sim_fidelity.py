@@ -79,15 +79,18 @@ def render(out: dict[str, Any]) -> str:
         f"{1e3 * s['pad_token_s']:.3f} ms/padding token + {1e3 * s['visual_token_s']:.3f} "
         f"ms/visual token ({f['steps']} steps, rms {1e3 * f['rms_s']:.0f} ms, R2 {f['r2']:.2f})",
         f"preprocessing: {1e3 * p['sample_s']:.2f} ms/sample + {1e3 * p['visual_token_s']:.4f} "
-        f"ms/visual token (profile x {f['prep_level_factor']:.2f}, the run's pass)",
+        f"ms/visual token in the rank process (profile x {f['prep_level_factor']:.2f}, the "
+        f"run's pass), x {f['worker_over_pass'] or 1:.2f} in a DataLoader worker",
         "",
-        "| | predicted | measured | error |",
+        "| | predicted | measured (repeats' range) | error |",
         "|---|---|---|---|",
     ]
     for r in out["rows"]:
         unit = "x" if "/" in r["ratio"] else ""
+        spread = r.get("measured_range")
+        within = f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else ""
         lines.append(
-            f"| {r['ratio']} | {r['predicted']:.2f}{unit} | {r['measured']:.2f}{unit} | "
+            f"| {r['ratio']} | {r['predicted']:.2f}{unit} | {r['measured']:.2f}{unit}{within} | "
             f"{100 * r['rel_err']:+.1f}% |"
         )
     verdict = "within" if out["within_target"] else "NOT within"

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from odb_core.config import default_buffer_size
+from odb_core.cost import CostKind
 from simulator.bench_workload import BenchSamples
 from simulator.cpu_profile import STEP_FEATURES, CPUProfile, PrepModel, StepModel
 
@@ -64,6 +66,8 @@ class StepFit:
     rms_s: float
     r2: float
     per_strategy_rel_err: dict[str, float]  # |sum predicted - sum measured| / measured
+    stderr: tuple[float, ...]  # per coefficient (STEP_FEATURES order)
+    held_at_zero: tuple[str, ...]  # terms whose unconstrained fit was negative
 
 
 def step_records(result: dict[str, Any], counts: BenchSamples) -> list[StepRecord]:
@@ -144,9 +148,12 @@ def fit_steps(
             ]
         )
         shift = np.array([r.ranks[k].delta_s for r, k in zip(records, slowest, strict=True)])
-        sol, *_ = np.linalg.lstsq(x, y - shift, rcond=None)
+        sol, se, zero = nonnegative_lstsq(x, y - shift)
         coef = np.zeros(len(STEP_FEATURES))
         coef[cols] = sol
+        stderr = np.zeros(len(STEP_FEATURES))
+        stderr[cols] = se
+        held = tuple(features[i] for i in zero)
         new = [_slowest(r, coef) for r in records]
         if new == slowest:
             break
@@ -167,7 +174,32 @@ def fit_steps(
         float(np.sqrt((resid**2).mean())),
         1.0 - float((resid**2).sum()) / ss_tot if ss_tot > 0 else 1.0,
         per,
+        tuple(float(s) for s in stderr),
+        held,
     )
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Least squares with every coefficient >= 0 (a cost is never negative): the
+    most negative term is held at 0 and the rest refitted, until none is negative.
+    Returns the coefficients, their standard errors (0 for held terms) and the
+    held columns."""
+    free = list(range(x.shape[1]))
+    while True:
+        sol, *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
+        worst = int(np.argmin(sol))
+        if sol[worst] >= 0 or len(free) == 1:
+            break
+        free.pop(worst)
+    coef = np.zeros(x.shape[1])
+    coef[free] = sol
+    se = np.zeros(x.shape[1])
+    dof = len(y) - len(free)
+    if dof > 0:
+        sub = x[:, free]
+        sigma2 = float(((y - sub @ sol) ** 2).sum()) / dof
+        se[free] = np.sqrt(np.clip(np.diag(sigma2 * np.linalg.pinv(sub.T @ sub)), 0.0, None))
+    return coef, se, [i for i in range(x.shape[1]) if i not in free]
 
 
 def predict_step(model: StepModel, record: StepRecord) -> float:
@@ -204,11 +236,34 @@ def fit_prep(counts: BenchSamples, measured_pass: float, world: int) -> tuple[Pr
     return PrepModel(k * shape.sample_s, k * shape.visual_token_s), k
 
 
+def worker_level(result: dict[str, Any], counts: BenchSamples, shape: PrepModel) -> float | None:
+    """The worker's level against `shape`, from odb-padded's first step: before it,
+    each rank's one worker preprocessed the rank's first window (min(window, shard)
+    samples of its shard), which the rank waited for. Least squares of one factor
+    over the ranks; None without an odb-padded run or with several workers."""
+    ranks = result.get("timeline_ranks_last_repeat", {}).get("odb-padded")
+    if not ranks or int(result["params"]["workers"]) != 1:
+        return None
+    window = result["params"].get("buffer_size") or default_buffer_size(CostKind.PADDED)
+    waits, model = [], []
+    for r in ranks:
+        shard = [i for ids in r["ids"] for i in ids]
+        per = shape.sample_s + shape.visual_token_s * counts.visual[shard].astype(np.float64)
+        waits.append(float(r["timeline"][0][1]))
+        model.append(min(int(window), len(shard)) * float(per.mean()))
+    m = np.asarray(model)
+    return float(np.dot(m, waits) / np.dot(m, m))
+
+
 def fit_profile(result: dict[str, Any], counts: BenchSamples) -> tuple[CPUProfile, dict[str, Any]]:
     """The CPU profile fitted to one run, and what the fit reports about itself."""
     fit = fit_steps(step_records(result, counts))
     world = int(result["params"]["ranks"])
     prep, level = fit_prep(counts, measured_pass_s(result), world)
+    worker = worker_level(result, counts, prep)
+    worker_prep = (
+        prep if worker is None else PrepModel(worker * prep.sample_s, worker * prep.visual_token_s)
+    )
     p = result["params"]
     source = f"odb bench --model {p['model']} --samples {p['samples']} --seed {p['seed']}"
     report = {
@@ -217,7 +272,10 @@ def fit_profile(result: dict[str, Any], counts: BenchSamples) -> tuple[CPUProfil
         "rms_s": fit.rms_s,
         "r2": fit.r2,
         "per_strategy_rel_err": fit.per_strategy_rel_err,
+        "stderr": dict(zip(STEP_FEATURES, fit.stderr, strict=True)),
+        "held_at_zero": list(fit.held_at_zero),
         "prep_level_factor": level,
         "measured_pass_s": measured_pass_s(result),
+        "worker_over_pass": worker,
     }
-    return CPUProfile(fit.model, prep, source=source), report
+    return CPUProfile(fit.model, prep, worker_prep, source=source), report

@@ -55,7 +55,8 @@ def count_bench_samples(samples: int, seed: int, max_len: int) -> BenchSamples:
 
 def bench_workload(counts: BenchSamples, prep: PrepModel) -> Workload:
     """The simulator's workload: exact lengths (the bench's length pass reads the
-    same, so `cached` equals them) and the fitted preprocessing time per sample."""
+    same, so `cached` equals them) and the fitted preprocessing time per sample
+    in a DataLoader worker."""
     length = counts.text + counts.visual
     prep_s: FloatArray = prep.sample_s + prep.visual_token_s * counts.visual.astype(np.float64)
     return Workload(

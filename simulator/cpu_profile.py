@@ -9,8 +9,10 @@ machine (`simulator.bench_fit` fits it; docs/SIMULATOR.md, "Fidelity"):
     step         = max over ranks of rank compute + step_s
 
 `step_s` is the per-step cost every rank pays once (gloo all-reduce, AdamW,
-Python). Preprocessing one sample in a DataLoader worker (or in the rank
-process, for a length pass) takes `prep_sample_s + prep_visual_token_s * visual`.
+Python). Preprocessing one sample takes `sample_s + visual_token_s * visual`,
+with one level in the rank process (`prep`: a length pass) and one in a
+DataLoader worker (`worker_prep`: it also hands the sample to the rank through
+shared memory, while other processes compete for the cores).
 The trainer calls the same methods it calls on `HardwareModel`; the profile has
 no memory limit and no all-reduce overlap (the all-reduce is inside `step_s`).
 """
@@ -63,12 +65,13 @@ class CPUProfile:
 
     step: StepModel
     prep: PrepModel
+    worker_prep: PrepModel
     name: str = "cpu-fitted"
     source: str = ""
     network: Network = field(default_factory=Network)
 
     def __post_init__(self) -> None:
-        for k, v in {**asdict(self.step), **asdict(self.prep)}.items():
+        for k, v in {**asdict(self.step), **asdict(self.prep), **asdict(self.worker_prep)}.items():
             if not math.isfinite(v):
                 raise ValueError(f"fitted {k}={v!r} is not finite")
 
@@ -99,4 +102,5 @@ class CPUProfile:
             "source": self.source,
             "step": asdict(self.step),
             "prep": asdict(self.prep),
+            "worker_prep": asdict(self.worker_prep),
         }

@@ -23,12 +23,13 @@ from simulator.bench_workload import BenchSamples, bench_workload
 from simulator.cpu_profile import CPUProfile
 from simulator.engine import SimConfig, simulate
 
-# (ratio, the simulator's strategies, the bench's ratio key, pass counted)
+# (ratio, the simulator's baseline, the bench's ratio key, pass counted)
 RATIOS: tuple[tuple[str, str, str, bool], ...] = (
     ("odb/standard", "standard", "odb-padded/standard", False),
     ("odb/grouped, pass counted", "grouped", "odb-padded/grouped_incl_length_pass", True),
     ("odb/gmt, pass counted", "gmt", "odb-padded/gmt_incl_precompute", True),
 )
+_RATE = {False: "samples_per_s", True: "samples_per_s_incl_precompute"}
 PREFETCH_FACTOR = 2  # torch DataLoader's default, which the bench keeps
 
 
@@ -41,11 +42,12 @@ def predict(
     """The bench's three ratios as the simulator predicts them for `params` (the
     measured run's `params`) over `counts` (its samples)."""
     world = int(params["ranks"])
-    workload = bench_workload(counts, profile.prep)
+    workload = bench_workload(counts, profile.worker_prep)
     length_pass = pass_s(profile.prep, counts.visual, world)
     buffer = params.get("buffer_size") or default_buffer_size(CostKind.PADDED)
     per_seed: dict[str, list[float]] = {name: [] for name, *_ in RATIOS}
     walls: dict[str, list[float]] = {}
+    waits: dict[str, list[float]] = {}
     for seed in sim_seeds:
         cfg = SimConfig(
             workload=workload,
@@ -66,6 +68,7 @@ def predict(
         m = out["strategies"]
         for name, metrics in m.items():
             walls.setdefault(name, []).append(float(metrics["wall_s"]))
+            waits.setdefault(name, []).append(float(metrics["data_wait_s"]))
         odb = float(m["odb"]["samples_per_s"])
         for name, base, _, with_pass in RATIOS:
             wall = float(m[base]["wall_s"]) + (length_pass if with_pass else 0.0)
@@ -74,6 +77,7 @@ def predict(
         "ratios": {k: float(statistics.median(v)) for k, v in per_seed.items()},
         "per_seed": per_seed,
         "wall_s": {k: float(statistics.median(v)) for k, v in walls.items()},
+        "data_wait_s": {k: float(statistics.median(v)) for k, v in waits.items()},
         "length_pass_s": length_pass,
         "sim_seeds": list(sim_seeds),
     }
@@ -86,9 +90,19 @@ def measured(result: dict[str, Any]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"the bench JSON has no ratio {missing[0]!r}: run its default strategies")
     names = {"standard": "standard", "grouped": "grouped", "gmt": "gmt", "odb": "odb-padded"}
+    runs = {k: result["strategies"][v]["runs"] for k, v in names.items()}
+    per_repeat = {
+        name: [
+            float(o["samples_per_s"]) / float(b[_RATE[with_pass]])
+            for o, b in zip(runs["odb"], runs[base], strict=True)
+        ]
+        for name, base, _, with_pass in RATIOS
+    }
     return {
         "ratios": {name: float(ratios[key]) for name, _, key, _ in RATIOS},
+        "per_repeat": per_repeat,
         "wall_s": {k: float(result["strategies"][v]["wall_s"]) for k, v in names.items()},
+        "data_wait_s": {k: float(result["strategies"][v]["data_wait_s"]) for k, v in names.items()},
         "length_pass_s": statistics.median(
             float(result["strategies"][s]["precompute_s"]) for s in ("grouped", "gmt")
         ),
@@ -100,12 +114,21 @@ def compare(predicted: dict[str, Any], measured_: dict[str, Any]) -> list[dict[s
     rows = []
     for name, *_ in RATIOS:
         p, m = predicted["ratios"][name], measured_["ratios"][name]
-        rows.append({"ratio": name, "predicted": p, "measured": m, "rel_err": p / m - 1.0})
-    for name in ("standard", "grouped", "gmt", "odb"):
-        p, m = predicted["wall_s"][name], measured_["wall_s"][name]
+        spread = measured_["per_repeat"][name]
         rows.append(
-            {"ratio": f"{name} epoch s", "predicted": p, "measured": m, "rel_err": p / m - 1.0}
+            {
+                "ratio": name,
+                "predicted": p,
+                "measured": m,
+                "rel_err": p / m - 1.0,
+                "measured_range": [min(spread), max(spread)],
+            }
         )
+    for key, what in (("wall_s", "epoch s"), ("data_wait_s", "data wait s")):
+        for name in ("standard", "grouped", "gmt", "odb"):
+            p, m = predicted[key][name], measured_[key][name]
+            rel = p / m - 1.0 if m > 0 else float("nan")
+            rows.append({"ratio": f"{name} {what}", "predicted": p, "measured": m, "rel_err": rel})
     p, m = predicted["length_pass_s"], measured_["length_pass_s"]
     rows.append({"ratio": "length pass s", "predicted": p, "measured": m, "rel_err": p / m - 1.0})
     return rows

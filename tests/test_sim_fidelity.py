@@ -21,6 +21,7 @@ from simulator.bench_fit import (
     StepRecord,
     fit_prep,
     fit_steps,
+    nonnegative_lstsq,
     pass_s,
     predict_step,
     step_records,
@@ -31,6 +32,7 @@ from simulator.fidelity import predict
 
 TRUE_STEP = StepModel(step_s=0.19, token_s=9e-4, pad_token_s=5e-5, visual_token_s=4e-4)
 TRUE_PREP = PrepModel(sample_s=2e-3, visual_token_s=5e-5)
+TRUE_WORKER = PrepModel(sample_s=3e-3, visual_token_s=7.5e-5)  # 1.5 x the rank process's
 
 
 def _load_command() -> ModuleType:
@@ -58,24 +60,29 @@ def _counts(n: int, seed: int) -> BenchSamples:
 
 def _timelines(counts: BenchSamples, step: StepModel, world: int, seed: int) -> dict[str, Any]:
     """Every rank's timeline under `step`, for random padded batches of 1-6 samples
-    and random data waits (so the slowest rank is not always the largest batch)."""
+    and random data waits (so the slowest rank is not always the largest batch);
+    odb-padded's first wait is its worker preprocessing the rank's whole shard."""
     rng = random.Random(seed)
     ids = list(range(counts.n))
     length = counts.text + counts.visual
     out: dict[str, Any] = {}
     for name in ("standard", "grouped", "gmt", "odb-padded"):
         rng.shuffle(ids)
+        plan = [
+            [ids[s + 6 * r : s + 6 * r + rng.randint(1, 6)] for r in range(world)]
+            for s in range(0, counts.n - 6 * world, 6 * world)
+        ]
+        shards = [[i for batches in plan for i in batches[r]] for r in range(world)]
+        first = [sum(TRUE_WORKER.sample_cost(counts.visual[i]) for i in sh) for sh in shards]
         per_rank: list[dict[str, list[Any]]] = [{"timeline": [], "ids": []} for _ in range(world)]
         t = 0.0
-        for s in range(0, counts.n - 6 * world, 6 * world):
+        for j, batches in enumerate(plan):
             got, rows = [], []
-            for r in range(world):
-                k = rng.randint(1, 6)
-                batch = ids[s + 6 * r : s + 6 * r + k]
+            for r, batch in enumerate(batches):
                 real = int(length[batch].sum())
-                computed = k * int(length[batch].max())
+                computed = len(batch) * int(length[batch].max())
                 vis = int(counts.visual[batch].sum())
-                wait = rng.uniform(0.0, 0.3)
+                wait = first[r] if name == "odb-padded" and j == 0 else rng.uniform(0.0, 0.3)
                 got.append(t + wait)
                 rows.append((batch, wait, real, computed, vis))
             done = (
@@ -94,7 +101,7 @@ def _timelines(counts: BenchSamples, step: StepModel, world: int, seed: int) -> 
 
 def _bench_json(counts: BenchSamples, world: int = 2) -> dict[str, Any]:
     true_pass = pass_s(TRUE_PREP, counts.visual, world)
-    runs = [{"precompute_s": true_pass}] * 3
+    runs = [{"precompute_s": true_pass, "samples_per_s": 1.0, "samples_per_s_incl_precompute": 0.9}]
     return {
         "params": {
             "model": "qwen3-vl-tiny",
@@ -110,10 +117,10 @@ def _bench_json(counts: BenchSamples, world: int = 2) -> dict[str, Any]:
         "timeline_fields": FIELDS,
         "timeline_ranks_last_repeat": _timelines(counts, TRUE_STEP, world, counts.seed),
         "strategies": {
-            "standard": {"wall_s": 10.0},
-            "grouped": {"wall_s": 9.0, "precompute_s": true_pass, "runs": runs},
-            "gmt": {"wall_s": 8.0, "precompute_s": true_pass, "runs": runs},
-            "odb-padded": {"wall_s": 7.0},
+            "standard": {"wall_s": 10.0, "data_wait_s": 0.5, "runs": runs},
+            "grouped": {"wall_s": 9.0, "data_wait_s": 0.5, "precompute_s": true_pass, "runs": runs},
+            "gmt": {"wall_s": 8.0, "data_wait_s": 0.5, "precompute_s": true_pass, "runs": runs},
+            "odb-padded": {"wall_s": 7.0, "data_wait_s": 2.0, "runs": runs},
         },
         "ratios": {
             "odb-padded/standard": 1.5,
@@ -172,6 +179,19 @@ def test_max_over_ranks_is_needed() -> None:
     assert max(abs(e - r.y_s) for e, r in zip(exact, records, strict=True)) < 1e-9
 
 
+def test_a_negative_cost_is_held_at_zero() -> None:
+    """y = 2 a - 0.5 b: plain least squares (the broken variant) gives b a negative
+    cost; the fit holds it at 0 and refits a."""
+    rng = np.random.default_rng(0)
+    x = rng.uniform(1, 10, (40, 2))
+    y = 2 * x[:, 0] - 0.5 * x[:, 1]
+    plain, *_ = np.linalg.lstsq(x, y, rcond=None)
+    assert plain[1] < 0
+    coef, se, held = nonnegative_lstsq(x, y)
+    assert held == [1] and coef[1] == 0.0 and se[1] == 0.0 and coef[0] > 0
+    assert coef[0] == pytest.approx(float(x[:, 0] @ y / (x[:, 0] @ x[:, 0])))
+
+
 def test_prep_shape_from_profile_level_from_the_pass() -> None:
     counts = _counts(120, 3)
     prep, level = fit_prep(counts, pass_s(TRUE_PREP, counts.visual, 2), 2)
@@ -196,7 +216,8 @@ def test_command_predicts_and_compares(tmp_path: Path, capsys: pytest.CaptureFix
     cal_counts, run_counts = _counts(240, 0), _counts(160, 1)
     by_seed = {0: cal_counts, 1: run_counts}
     cal, target = _bench_json(cal_counts), _bench_json(run_counts)
-    truth = predict(CPUProfile(TRUE_STEP, TRUE_PREP), run_counts, target["params"], [0, 1])
+    true = CPUProfile(TRUE_STEP, TRUE_PREP, TRUE_WORKER)
+    truth = predict(true, run_counts, target["params"], [0, 1])
     target["ratios"] = {
         "odb-padded/standard": truth["ratios"]["odb/standard"],
         "odb-padded/grouped_incl_length_pass": truth["ratios"]["odb/grouped, pass counted"],
@@ -219,6 +240,7 @@ def test_command_predicts_and_compares(tmp_path: Path, capsys: pytest.CaptureFix
     assert rows["odb/grouped, pass counted"]["rel_err"] == pytest.approx(0.0, abs=1e-6)
     assert rows["odb/gmt, pass counted"]["rel_err"] == pytest.approx(1 / 1.3 - 1, abs=1e-6)
     assert out["predicted"]["length_pass_s"] == pytest.approx(truth["length_pass_s"])
+    assert out["fit"]["worker_over_pass"] == pytest.approx(1.5)
     assert sim_fidelity.main([*argv, "--sim-seeds", "2"], count=count) == 0
     text = capsys.readouterr().out
     assert "| odb/gmt, pass counted |" in text and "NOT within 15%" in text
