@@ -230,7 +230,7 @@ def fit_prep(counts: BenchSamples, measured_pass: float, world: int) -> tuple[Pr
     """Shape from the per-sample profile, level from the measured pass; returns the
     model and the level factor k."""
     x = np.column_stack([np.ones(counts.n), counts.visual.astype(np.float64)])
-    (a, b), *_ = np.linalg.lstsq(x, counts.prep_s, rcond=None)
+    (a, b), _, _ = nonnegative_lstsq(x, counts.prep_s)
     shape = PrepModel(float(a), float(b))
     k = measured_pass / pass_s(shape, counts.visual, world)
     return PrepModel(k * shape.sample_s, k * shape.visual_token_s), k
