@@ -1,7 +1,7 @@
 """Fit the CPU profile (`simulator.cpu_profile`) to one measured bench run.
 
-Input: `odb bench --model qwen3-vl-tiny --json` (its `timeline_ranks_last_repeat`:
-every rank's per-step timeline and step ids, last repeat) and the bench's samples
+Input: `odb bench --model qwen3-vl-tiny --json` (its `timeline_ranks`: every
+rank's per-step timeline and step ids, every repeat) and the bench's samples
 counted by `simulator.bench_workload`.
 
 Step time, by least squares over every step of every strategy. A DDP step ends
@@ -70,21 +70,26 @@ class StepFit:
     held_at_zero: tuple[str, ...]  # terms whose unconstrained fit was negative
 
 
-def step_records(result: dict[str, Any], counts: BenchSamples) -> list[StepRecord]:
-    """Every step of every strategy in the run's last repeat, all ranks."""
-    ranks_tl = result.get("timeline_ranks_last_repeat")
-    if not isinstance(ranks_tl, dict) or not ranks_tl:
+def rank_timelines(result: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(strategy, every rank's timeline and step ids) for every repeat of the run."""
+    by_name = result.get("timeline_ranks")
+    if not isinstance(by_name, dict) or not by_name:
         raise BenchFormatError(
-            "the bench JSON has no 'timeline_ranks_last_repeat' (every rank's timeline and "
-            "step ids): rerun `odb bench --model qwen3-vl-tiny --json` with this version"
+            "the bench JSON has no 'timeline_ranks' (every rank's timeline and step ids): "
+            "rerun `odb bench --model qwen3-vl-tiny --json` with this version"
         )
+    return [(name, ranks) for name, repeats in by_name.items() for ranks in repeats]
+
+
+def step_records(result: dict[str, Any], counts: BenchSamples) -> list[StepRecord]:
+    """Every step of every strategy in every repeat of the run, all ranks."""
     fields = result.get("timeline_fields")
     want = ["t_s", "wait_s", "compute_s", "real_tokens", "computed_tokens", "samples", "is_pad"]
     if fields != want:
         raise BenchFormatError(f"timeline_fields {fields!r}: expected {want!r}")
     visual = counts.visual
     out: list[StepRecord] = []
-    for name, per_rank in ranks_tl.items():
+    for name, per_rank in rank_timelines(result):
         lens = {len(r["timeline"]) for r in per_rank}
         if len(lens) != 1 or any(len(r["ids"]) != len(r["timeline"]) for r in per_rank):
             raise BenchFormatError(f"{name}: ranks' timelines differ in length {sorted(lens)}")
@@ -240,8 +245,8 @@ def worker_level(result: dict[str, Any], counts: BenchSamples, shape: PrepModel)
     """The worker's level against `shape`, from odb-padded's first step: before it,
     each rank's one worker preprocessed the rank's first window (min(window, shard)
     samples of its shard), which the rank waited for. Least squares of one factor
-    over the ranks; None without an odb-padded run or with several workers."""
-    ranks = result.get("timeline_ranks_last_repeat", {}).get("odb-padded")
+    over the ranks and repeats; None without odb-padded or with several workers."""
+    ranks = [r for name, rs in rank_timelines(result) if name == "odb-padded" for r in rs]
     if not ranks or int(result["params"]["workers"]) != 1:
         return None
     window = result["params"].get("buffer_size") or default_buffer_size(CostKind.PADDED)

@@ -60,7 +60,10 @@ def test_tiny_run_json(tmp_path: object) -> None:
     assert "quality" not in r
     assert set(r["timeline_rank0_last_repeat"]) == set(r["strategies"])
     # every rank's timeline with its step ids (simulator/bench_fit.py)
-    for name, ranks in r["timeline_ranks_last_repeat"].items():
+    for name, repeats in r["timeline_ranks"].items():
+        assert len(repeats) == r["params"]["repeats"]
+        ranks = repeats[-1]
+        assert ranks[0]["timeline"] == r["timeline_rank0_last_repeat"][name]
         assert len(ranks) == r["params"]["ranks"]
         assert all(len(x["ids"]) == len(x["timeline"]) for x in ranks)
         if name.startswith("odb-"):  # each id once

@@ -115,7 +115,10 @@ def _bench_json(counts: BenchSamples, world: int = 2) -> dict[str, Any]:
             "buffer_size": None,
         },
         "timeline_fields": FIELDS,
-        "timeline_ranks_last_repeat": _timelines(counts, TRUE_STEP, world, counts.seed),
+        "timeline_ranks": {  # two repeats
+            name: [per_rank, _timelines(counts, TRUE_STEP, world, counts.seed + 99)[name]]
+            for name, per_rank in _timelines(counts, TRUE_STEP, world, counts.seed).items()
+        },
         "strategies": {
             "standard": {"wall_s": 10.0, "data_wait_s": 0.5, "runs": runs},
             "grouped": {"wall_s": 9.0, "data_wait_s": 0.5, "precompute_s": true_pass, "runs": runs},
@@ -203,11 +206,11 @@ def test_prep_shape_from_profile_level_from_the_pass() -> None:
 def test_step_records_refuses_a_json_without_every_rank(tmp_path: Path) -> None:
     counts = _counts(60, 0)
     bad = _bench_json(counts)
-    del bad["timeline_ranks_last_repeat"]
-    with pytest.raises(BenchFormatError, match="timeline_ranks_last_repeat"):
+    del bad["timeline_ranks"]
+    with pytest.raises(BenchFormatError, match="timeline_ranks"):
         step_records(bad, counts)
     bad = _bench_json(counts)
-    bad["timeline_ranks_last_repeat"]["standard"][0]["ids"][0] = [60]
+    bad["timeline_ranks"]["standard"][1][0]["ids"][0] = [60]
     with pytest.raises(BenchFormatError, match=r"standard step 0: sample ids \[60\]"):
         step_records(bad, counts)
 

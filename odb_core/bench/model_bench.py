@@ -317,7 +317,7 @@ class _Run:
         self.epoch_ids: list[list[int]] = []
         self.epoch_steps: list[int] = []
         self.timeline: list[tuple[float, float, float, int, int, int, bool]] = []
-        self.step_ids: list[list[int]] = []  # per timeline step (simulator/fit_bench.py)
+        self.step_ids: list[list[int]] = []  # per timeline step (simulator/bench_fit.py)
 
 
 class _Batches:
@@ -721,7 +721,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
     curves: dict[str, list[Any]] = {s: [] for s in strategies}
     timelines: dict[str, Any] = {}
-    rank_steps: dict[str, Any] = {}  # every rank's timeline and step ids, last repeat
+    rank_steps: dict[str, Any] = {s: [] for s in strategies}  # per repeat: ranks, steps
     errors: list[str] = []
     init_states = [init_for(rep) for rep in range(params["repeats"])]
     for rep in range(params["repeats"]):
@@ -746,8 +746,8 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                 "shm": run.peak_shm,
                 "ids": run.epoch_ids,
                 "epoch_steps": run.epoch_steps,
-                "timeline": run.timeline if rep == params["repeats"] - 1 else None,
-                "step_ids": run.step_ids if rep == params["repeats"] - 1 else None,
+                "timeline": run.timeline,
+                "step_ids": run.step_ids,
             }
             per_rank: list[Any] = [None] * world
             dist.all_gather_object(per_rank, mine)
@@ -774,12 +774,12 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             if quality:
                 summary["curve"] = curve
             runs[name].append(summary)
+            rank_steps[name].append(
+                [{"timeline": r["timeline"], "ids": r["step_ids"]} for r in per_rank]
+            )
             curves[name].append(curve)
             if rep == params["repeats"] - 1:
                 timelines[name] = run.timeline if rank == 0 else None
-                rank_steps[name] = [
-                    {"timeline": r["timeline"], "ids": r["step_ids"]} for r in per_rank
-                ]
             if rank == 0 and progress:
                 print(
                     f"[odb bench] repeat {rep + 1}/{params['repeats']} {name:13} "
@@ -792,7 +792,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             if errors:
                 raise RuntimeError("; ".join(errors))
     result = _report(params, runs, timelines, fixed_batch)
-    result["timeline_ranks_last_repeat"] = rank_steps
+    result["timeline_ranks"] = rank_steps
     if quality:
         from odb_core.bench.quality import summarise as quality_summary
 
