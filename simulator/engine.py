@@ -301,6 +301,9 @@ class _Run:
             order, self.cols.prep, self.cfg.num_workers, depth, stalls=self.stalls.get(r, ())
         )
 
+    def visual_of(self, ids: Sequence[int]) -> int:
+        return sum(self.cols.visual[i] for i in ids)
+
     def cost_of(self, ids: Sequence[int], cached: bool = False) -> float:
         st = BatchStats()
         c = self.cols
@@ -345,7 +348,11 @@ class _Run:
                 if t > ready:
                     ready = t
                 lens = [length[i] for i in batch]
-                slots.append(make_slot(lens, tuple(batch), padded, self.cost_of(batch)))
+                slots.append(
+                    make_slot(
+                        lens, tuple(batch), padded, self.cost_of(batch), self.visual_of(batch)
+                    )
+                )
                 self.events += len(batch)
             prev_end = tr.end
             if not tr.step(ready, slots):
@@ -639,7 +646,8 @@ class _Run:
         if cost > self.budget and not (len(samples) == 1 and info.batch.oversize):
             violations.append(f"rank {info.rank} step {info.step}: batch over budget ({cost:g})")
         lens = [s.tokens + s.visual_tokens for s in samples]
-        return make_slot(lens, info.batch.ids, padded, cost)
+        vis = sum(s.visual_tokens for s in samples)
+        return make_slot(lens, info.batch.ids, padded, cost, vis)
 
     @staticmethod
     def _check_step(infos: Sequence[StepInfo], violations: list[str]) -> None:

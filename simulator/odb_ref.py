@@ -137,6 +137,7 @@ class RunContext(Protocol):
     def trainer(self, budget: float) -> Trainer: ...
     def source(self, r: int, order: Sequence[int], depth: int) -> DataSource: ...
     def cost_of(self, ids: Sequence[int], cached: bool = False) -> float: ...
+    def visual_of(self, ids: Sequence[int]) -> int: ...
     def ddp_fault(self, tr: Trainer) -> dict[str, Any] | None: ...
 
 
@@ -202,7 +203,9 @@ def run(run: RunContext) -> dict[str, Any]:
                     if t_idx < len(emitted[r]):
                         ids = tuple(int(s["_id"]) for s in emitted[r][t_idx])
                         lens = [cols.length[i] for i in ids]
-                        slots.append(make_slot(lens, ids, padded, run.cost_of(ids)))
+                        slots.append(
+                            make_slot(lens, ids, padded, run.cost_of(ids), run.visual_of(ids))
+                        )
                     else:
                         slots.append(run.pad_slot)
                 prev_end = tr.end

@@ -27,14 +27,16 @@ class Columns:
         return Sample(i, self.text[i], self.visual[i], self.patches[i])
 
 
-def make_slot(lengths: Sequence[int], ids: tuple[int, ...], padded: bool, cost: float) -> Slot:
+def make_slot(
+    lengths: Sequence[int], ids: tuple[int, ...], padded: bool, cost: float, visual: int = 0
+) -> Slot:
     real = sum(lengths)
     if padded:
         mx = max(lengths)
         compute = len(lengths) * mx
-        return Slot(ids, real, compute, compute * mx, compute, cost)
+        return Slot(ids, real, compute, compute * mx, compute, cost, visual=visual)
     sq = sum(x * x for x in lengths)
-    return Slot(ids, real, real, sq, real, cost)
+    return Slot(ids, real, real, sq, real, cost, visual=visual)
 
 
 def mark_aborted(out: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ class Slot(NamedTuple):
     mem_tokens: int  # tokens resident in activation memory
     cost: float  # cost under the strategy's cost model (for budget fill), 0 for pads
     is_pad: bool = False
+    visual: int = 0  # visual tokens (a fitted CPU profile prices the vision tower by them)
 
 
 @dataclass
@@ -75,6 +76,9 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.delivered = np.zeros(self.n_samples, dtype=np.int64)
+        # A fitted CPU profile (simulator.cpu_profile) prices real, padding and
+        # visual tokens apart; the roofline prices computed tokens only.
+        self._slot_s = getattr(self.hw, "slot_s", None)
         self._ar = self.hw.allreduce_s(self.world)
         self._bucket = self.hw.last_bucket_s()
         self._opt = self.hw.optimizer_s()
@@ -122,7 +126,10 @@ class Trainer:
             self.compute_tokens += s.compute_tokens
             if s.mem_tokens > self._cap:
                 self.oom_slots += 1
-            g = self._compute(s.compute_tokens, s.sum_sq)
+            if self._slot_s is not None:
+                g = self._slot_s(s.real_tokens, s.compute_tokens, s.visual)
+            else:
+                g = self._compute(s.compute_tokens, s.sum_sq)
             f = self.stragglers.get(r)
             if f is not None:
                 g *= f

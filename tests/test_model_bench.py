@@ -59,6 +59,16 @@ def test_tiny_run_json(tmp_path: object) -> None:
     assert r["strategies"]["grouped"]["precompute_s"] > 0
     assert "quality" not in r
     assert set(r["timeline_rank0_last_repeat"]) == set(r["strategies"])
+    # every rank's timeline with its step ids (simulator/bench_fit.py)
+    for name, repeats in r["timeline_ranks"].items():
+        assert len(repeats) == r["params"]["repeats"]
+        ranks = repeats[-1]
+        assert ranks[0]["timeline"] == r["timeline_rank0_last_repeat"][name]
+        assert len(ranks) == r["params"]["ranks"]
+        assert all(len(x["ids"]) == len(x["timeline"]) for x in ranks)
+        if name.startswith("odb-"):  # each id once
+            steps = [(t, s) for x in ranks for t, s in zip(x["timeline"], x["ids"], strict=True)]
+            assert sorted(i for t, s in steps if not t[6] for i in s) == list(range(48)), name
 
 
 @pytest.mark.parametrize(

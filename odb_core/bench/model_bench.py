@@ -322,6 +322,7 @@ class _Run:
         self.epoch_ids: list[list[int]] = []
         self.epoch_steps: list[int] = []
         self.timeline: list[tuple[float, float, float, int, int, int, bool]] = []
+        self.step_ids: list[list[int]] = []  # per timeline step (simulator/bench_fit.py)
 
 
 class _Batches:
@@ -651,6 +652,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                     run.wait += t_got - t_wait
                     run.peak_rss = max(run.peak_rss, _rss_mb())
                     run.peak_shm = max(run.peak_shm, _shm_mb() - shm0)
+                    run.step_ids.append([int(i) for i in ids])
                     run.timeline.append(
                         (
                             t_wait - start - eval_s,
@@ -727,6 +729,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
     curves: dict[str, list[Any]] = {s: [] for s in strategies}
     timelines: dict[str, Any] = {}
+    rank_steps: dict[str, Any] = {s: [] for s in strategies}  # per repeat: ranks, steps
     errors: list[str] = []
     init_states = [init_for(rep) for rep in range(params["repeats"])]
     for rep in range(params["repeats"]):
@@ -751,6 +754,8 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                 "shm": run.peak_shm,
                 "ids": run.epoch_ids,
                 "epoch_steps": run.epoch_steps,
+                "timeline": run.timeline,
+                "step_ids": run.step_ids,
             }
             per_rank: list[Any] = [None] * world
             dist.all_gather_object(per_rank, mine)
@@ -777,6 +782,9 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             if quality:
                 summary["curve"] = curve
             runs[name].append(summary)
+            rank_steps[name].append(
+                [{"timeline": r["timeline"], "ids": r["step_ids"]} for r in per_rank]
+            )
             curves[name].append(curve)
             if rep == params["repeats"] - 1:
                 timelines[name] = run.timeline if rank == 0 else None
@@ -796,6 +804,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
     result = _report({**params, **counts}, runs, timelines, fixed_batch)
+    result["timeline_ranks"] = rank_steps
     if quality:
         from odb_core.bench.quality import summarise as quality_summary
 
