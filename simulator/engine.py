@@ -140,7 +140,9 @@ class SimConfig:
     peer_timeout_s: float = 60.0
     faults: Faults = field(default_factory=Faults)
     tail_window: int = 12
-    sharding: Sharding = Sharding.STATIC
+    sharding: Sharding | None = None
+    """odb's sharding; None: dynamic, as the loader's default, unless `early_form` is
+    set (early forms are static-only, as in the loader)."""
     early_form: int | None = None
     """odb (join mode): `ProtocolConfig.early_form`, the least partial window a rank
     forms early; None: off."""
@@ -180,7 +182,10 @@ class SimConfig:
             )
         object.__setattr__(self, "cost", cost)
         object.__setattr__(self, "former", coerce_enum(FormerKind, "former", self.former))
-        object.__setattr__(self, "sharding", coerce_enum(Sharding, "sharding", self.sharding))
+        sharding = self.sharding
+        if sharding is None:
+            sharding = Sharding.STATIC if self.early_form is not None else Sharding.DYNAMIC
+        object.__setattr__(self, "sharding", coerce_enum(Sharding, "sharding", sharding))
         if not isinstance(self.oversize, OversizePolicy):
             object.__setattr__(self, "oversize", OversizePolicy(self.oversize))
         self.faults.validate(self.ranks)
@@ -226,6 +231,12 @@ class SimConfig:
     def padded_collation(self) -> bool:
         return self.cost is CostKind.PADDED
 
+    @property
+    def sharding_in_force(self) -> Sharding:
+        """`sharding` as resolved by `__post_init__` (never None after it)."""
+        assert self.sharding is not None
+        return self.sharding
+
     def describe(self) -> dict[str, Any]:
         return {
             "workload": self.workload.name,
@@ -238,7 +249,7 @@ class SimConfig:
             "cost_model": self.cost.value,
             "buffer_size": self.buffer_size,
             "former": self.former.value,
-            "sharding": self.sharding.value,
+            "sharding": self.sharding_in_force.value,
             "max_steps_per_round": self.max_steps_per_round,
             "quota": self.quota,
             "oversize": self.oversize.value,
@@ -466,8 +477,8 @@ class _Run:
             oversize=cfg.oversize,
             max_steps_per_round=cfg.max_steps_per_round,
             quota=cfg.quota if mode is Mode.QUOTA else None,
-            sharding=cfg.sharding,
-            plan=tuple(self.perm) if cfg.sharding is Sharding.DYNAMIC else (),
+            sharding=cfg.sharding_in_force,
+            plan=tuple(self.perm) if cfg.sharding_in_force is Sharding.DYNAMIC else (),
             early_form=cfg.early_form if mode is Mode.JOIN else None,
         )
         dynamic = protocol.dynamic

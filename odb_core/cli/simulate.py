@@ -107,9 +107,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--sharding",
         choices=[k.value for k in Sharding],
-        default=Sharding.STATIC.value,
-        help="odb's sharding: a fixed 1/W shard per rank (static, default) or ids dealt "
-        "each round to the ranks holding the least work (dynamic)",
+        default=None,
+        help="odb's sharding: ids dealt each round to the ranks holding the least work "
+        "(dynamic, the default, as the loader's) or a fixed 1/W shard per rank (static; "
+        "the default with --early-form, which is static-only)",
     )
     p.add_argument("--quota", type=positive_int, default=None, help="odb-quota global quota")
     p.add_argument(
@@ -289,7 +290,7 @@ def build_configs(args: argparse.Namespace) -> list[Any]:
                     peer_timeout_s=args.peer_timeout,
                     faults=faults,
                     tail_window=args.tail_window,
-                    sharding=Sharding(args.sharding),
+                    sharding=None if args.sharding is None else Sharding(args.sharding),
                     early_form=args.early_form,
                     early_form_wait_s=args.early_form_wait,
                 )

@@ -107,9 +107,11 @@ def states_of(entry: Any) -> list[Mapping[str, Any]]:
 
 def load_states(loader: ODBDataLoader, entry: Any) -> None:
     """Resume `loader` from `gather_states`' entry: this rank's state at the same world
-    size, the merge of every rank's at another (checked before it is applied)."""
+    size under static sharding, else the merge of every rank's (at another world size,
+    and under dynamic sharding, which resumes only merged); checked before it is
+    applied."""
     states = states_of(entry)
-    if len(states) == loader.world_size:
+    if len(states) == loader.world_size and not loader.config.dynamic:
         loader.load_state_dict(states[loader.rank])
     else:
         loader.load_state_dict(states)

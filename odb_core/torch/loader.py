@@ -82,7 +82,7 @@ from odb_core.torch.length import EpochLength, shard_sizes
 from odb_core.torch.lookahead import LookAhead
 from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, TruncateFn, measure
 from odb_core.torch.meta import scaled_loss
-from odb_core.torch.options import LoaderOptions
+from odb_core.torch.options import LoaderOptions, ShardingChoice
 from odb_core.torch.pipeline import (
     Emitted,
     EpochPipeline,
@@ -118,6 +118,8 @@ log = logging.getLogger("odb_core")
 _RESUME_TAG = -2  # marks the resume check's collective (order digests are >= 0)
 # (epoch, length, shuffle, seed), the epoch order, (progress, world, rank) it was
 # checked for, and that rank's remaining ids (see _checked_state).
+# What a loaded state resumes under: config, fingerprint, digest, sharding choice.
+_Identity = tuple[ProtocolConfig, dict[str, Any], int, ShardingChoice]
 _LoadedOrder = tuple[
     tuple[int, int, bool, int], Sequence[int], tuple[EpochProgress, int, int], list[int] | None
 ]
@@ -197,6 +199,7 @@ class ODBDataLoader:
     """
 
     _odb_seq = 0  # which loader of this process (set by _announce_failure)
+    _sharding: ShardingChoice
 
     @_announce_failure
     def __init__(
@@ -237,7 +240,7 @@ class ODBDataLoader:
         trace_dir: str | Path | None = None,
         samples_per_fetch: int = 8,
         prefetch_thread: bool = True,
-        sharding: Sharding | str = Sharding.STATIC,
+        sharding: Sharding | str | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
         timeout: float = 0,
@@ -256,6 +259,7 @@ class ODBDataLoader:
         args = {k: v for k, v in locals().items() if k not in ("self", "dataset")}
         self.options = LoaderOptions.of(**args)
         iterable = self.options.check_dataset(dataset)
+        self._sharding = self.options.sharding(iterable=iterable)
 
         self.dataset = dataset
         self.transport: Transport = self._make_transport(peer_timeout)
@@ -277,9 +281,9 @@ class ODBDataLoader:
             loss_normalization=loss_normalization,  # type: ignore[arg-type]
             grad_accum_steps=grad_accum_steps,
             tokens_per_update=tokens_per_update,
-            sharding=sharding,  # type: ignore[arg-type]
+            sharding=self._sharding.sharding,
             early_form=early_form,
-            window_bytes=self.options.window_bound(),
+            window_bytes=self.options.window_bound(self._sharding.sharding),
         )
         if self.config.dynamic and (iterable or id_fn is not None or not partition):
             raise ConfigError(
@@ -342,22 +346,8 @@ class ODBDataLoader:
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
         )
-        self._fingerprint = fingerprint(
-            dataset,
-            self.config,
-            kind="iterable" if iterable else "map",
-            length=None if iterable else len(dataset),
-            seed=seed,
-            shuffle=shuffle,
-            partition=partition,
-            sampler=sampler,
-        )
-        self._fingerprint["id_fn"] = id_fn is not None
-        self._fingerprint["loss_tokens_fn"] = loss_tokens_fn is not None
-        self._fingerprint["label_shift"] = label_shift
-        self._fingerprint["ignore_index"] = ignore_index
+        self._fingerprint, self._digest = self._identity_of(self.config)
         digest_src = json.dumps(self._fingerprint, sort_keys=True, default=str)
-        self._digest = zlib.crc32(digest_src.encode())
         # Every argument is valid here: only now meet the peers (a ConfigError on any
         # rank reaches all of them) and create the gloo group.
         connect = getattr(self.transport, "connect", None)
@@ -396,6 +386,65 @@ class ODBDataLoader:
         self.epoch_stats: EpochStats | None = None  # of the last finished epoch
         self._length = EpochLength(self.config)
         self._reset_progress()
+        if self.rank == 0:
+            d = self.describe()
+            log.info(
+                "odb: sharding=%s (%s); window_bytes=%s (%s)",
+                d["sharding"],
+                d["sharding_reason"],
+                d["window_bytes"],
+                d["window_bytes_reason"],
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """What is in force, as plain data: the protocol config (`ProtocolConfig.
+        describe()`), the sharding and why (`sharding=` given, or the default: dynamic
+        for a sized map-style dataset, static where dynamic cannot serve or an option
+        needs static: `LoaderOptions.sharding`), and the window's byte bound and why
+        (by default only where static sharding is in force, in join mode)."""
+        c, b = self.config, self.options.batch
+        if c.window_bytes is not None:
+            why = "given" if b.window_bytes else "default under join mode and static sharding"
+        elif b.window_bytes == 0:
+            why = "window_bytes=0 given: no bound"
+        else:
+            why = "no bound: join mode and static sharding only"
+        return {
+            **c.describe(),
+            "sharding": c.sharding.value,
+            "sharding_reason": self._sharding.reason,
+            "window_bytes": c.window_bytes,
+            "window_bytes_reason": why,
+            "world_size": self.world_size,
+        }
+
+    def _identity_of(self, config: ProtocolConfig) -> tuple[dict[str, Any], int]:
+        """The fingerprint a state saved under `config` carries, and its digest (the
+        tag of every collective of the loader)."""
+        o, e = self.options, self.options.epoch
+        fp = fingerprint(
+            self.dataset,
+            config,
+            kind="iterable" if self._iterable else "map",
+            length=None if self._iterable else len(self.dataset),
+            seed=e.seed,
+            shuffle=e.shuffle,
+            partition=e.partition,
+            sampler=e.sampler,
+        )
+        fp["id_fn"] = e.id_fn is not None
+        fp["loss_tokens_fn"] = o.loss.loss_tokens_fn is not None
+        fp["label_shift"] = o.loss.label_shift
+        fp["ignore_index"] = o.loss.ignore_index
+        return fp, zlib.crc32(json.dumps(fp, sort_keys=True, default=str).encode())
+
+    def _config_for(self, sharding: Sharding) -> ProtocolConfig:
+        """This loader's config under `sharding` (and the byte bound that goes with it)."""
+        return replace(
+            self.config,
+            sharding=sharding,
+            window_bytes=self.options.window_bound(sharding),
+        )
 
     # ---- DataLoader surface ------------------------------------------------
 
@@ -464,7 +513,11 @@ class ODBDataLoader:
                 step_meta=self.step_meta,
                 skip_before=skip_before,
                 replay_ids=replay_ids,
-                restart=self._restart_source if config.dynamic else None,
+                # Not a bound method: the pipeline must not hold the loader (a cycle
+                # only the cyclic GC frees, which keeps a dropped iterator's workers).
+                restart=functools.partial(_restart_source, self._index_sampler, self._inner)
+                if config.dynamic and self._index_sampler is not None
+                else None,
                 early_form_wait=self.early_form_wait if config.early_form else None,
                 fetch=self.options.workers.samples_per_fetch,
             )
@@ -706,7 +759,7 @@ class ODBDataLoader:
         one collective at the first iteration after the load, against what every
         other rank loaded (`ResumeMismatchError` on every rank, the load undone)."""
         try:
-            progress = self._checked_state(state)
+            progress, identity = self._checked_state(state)
         except ConfigError:
             with self._lock:
                 # Nothing applied; the first iteration still tells the peers.
@@ -720,6 +773,7 @@ class ODBDataLoader:
                 self._unverified = self._snapshot()
             self._refused = False
             self._serial += 1
+            self._set_identity(identity)
             self._resume = progress
             self._carry = progress.carry
             self.epoch = progress.epoch
@@ -732,7 +786,7 @@ class ODBDataLoader:
 
     def _checked_state(
         self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]
-    ) -> EpochProgress:
+    ) -> tuple[EpochProgress, _Identity]:
         if isinstance(state, Mapping):
             progress = EpochProgress.from_dict(state)
         elif isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
@@ -741,15 +795,31 @@ class ODBDataLoader:
             raise ResumeStateError(
                 f"load_state_dict expects a state dict or a list of them, got {state!r}"
             )
-        diff = fingerprint_mismatch(self._fingerprint, progress.fingerprint)
-        if diff:
+        identity = self._identity_for(progress)
+        config = identity[0]
+        # One rank's state of a one-rank run is the whole run's.
+        if config.dynamic and not progress.is_global and progress.world_size != 1:
             raise ResumeStateError(
-                "loader state is from another dataset or config: " + "; ".join(diff)
+                f"this loader deals ids by dynamic sharding ({identity[3].reason}), which "
+                f"resumes from every rank's state, merged (load_state_dict([s0, s1, ...]), "
+                f"or gather_states/load_states), not rank {progress.rank}'s alone: its done "
+                "ids are not the run's; pass sharding='static' to resume each rank from its own"
+            )
+        diff = fingerprint_mismatch(identity[1], progress.fingerprint)
+        if diff:
+            hint = ""
+            if any(d.startswith("protocol.sharding:") for d in diff):
+                hint = (
+                    " (sharding: the state was saved under another sharding; pass the "
+                    "saved run's sharding= to resume it)"
+                )
+            raise ResumeStateError(
+                "loader state is from another dataset or config: " + "; ".join(diff) + hint
             )
         length = None if self._iterable else len(self.dataset)
         target = resume_target(
             progress,
-            self.config,
+            config,
             rank=self.rank,
             length=length,
             id_fn=self.id_fn is not None,
@@ -763,10 +833,33 @@ class ODBDataLoader:
             key = (progress.epoch, length, self.shuffle, self.seed)
             checked = (progress, self.world_size, self.rank)
             self._loaded_order = (key, target.order, checked, remaining)
-        return progress
+        return progress, identity
+
+    def _identity_for(self, progress: EpochProgress) -> _Identity:
+        """The config, fingerprint, digest and sharding choice this loader resumes
+        `progress` under. A state saved under static sharding (whose fingerprint has
+        no `protocol.sharding`: every state of a run before dynamic became the
+        default) resumes under static when the default chose dynamic: its done ids
+        are per-rank shards, which only static resumes. A `sharding=` given, or a
+        default that chose static, is kept: a mismatch is a fingerprint error."""
+        here = self._sharding
+        saved = progress.fingerprint.get("protocol.sharding", Sharding.STATIC.value)
+        if here.given or here.sharding is not Sharding.DYNAMIC or saved != Sharding.STATIC.value:
+            return (self.config, self._fingerprint, self._digest, here)
+        config = self._config_for(Sharding.STATIC)
+        fp, digest = self._identity_of(config)
+        choice = ShardingChoice(
+            Sharding.STATIC, "default; static: resumed from a state saved under static", False
+        )
+        return (config, fp, digest, choice)
+
+    def _set_identity(self, identity: _Identity) -> None:
+        self.config, self._fingerprint, self._digest, self._sharding = identity
+        self._length.config = self.config
 
     def _snapshot(self) -> tuple[Any, ...]:
-        return (self._resume, self._carry, self.epoch, self._advance)
+        identity = (self.config, self._fingerprint, self._digest, self._sharding)
+        return (self._resume, self._carry, self.epoch, self._advance, identity)
 
     def _verify_resume(self) -> None:
         """The first iteration after a load: one collective in which every rank checks
@@ -783,7 +876,8 @@ class ODBDataLoader:
             )
             check_claims(rows, self.rank)
         except BaseException:
-            self._resume, self._carry, self.epoch, self._advance = snapshot
+            self._resume, self._carry, self.epoch, self._advance, identity = snapshot
+            self._set_identity(identity)
             raise
         finally:
             self._refused = False
@@ -914,11 +1008,7 @@ class ODBDataLoader:
         """Dynamic sharding: the epoch's plan is what is left of the order (the same
         on every rank); this rank's source starts on its initial share and the core
         deals it the rest (`_restart_source`)."""
-        if progress is not None and not progress.is_global:
-            raise ResumeStateError(
-                "sharding='dynamic' resumes from the merged state of every rank "
-                "(merge_states), whose done ids are the same on every rank"
-            )
+        assert progress is None or progress.is_global or progress.world_size == 1
         # Quota mode: the last pass's ledger comes first, dealt (and formed) first.
         carried = ledger_ids(self._carry)
         taken = set(carried)
@@ -936,12 +1026,6 @@ class ODBDataLoader:
         (torch/lookahead.py) so the protocol loop can see whether a sample is there."""
         inner = iter(self._inner)
         return inner if config.early_form is None else LookAhead(inner)
-
-    def _restart_source(self, ids: list[int]) -> Iterator[Any]:
-        """Dynamic sharding: point the inner loader at ids the core newly dealt."""
-        assert self._index_sampler is not None
-        self._index_sampler.indices = ids
-        return iter(self._inner)
 
     def close(self) -> None:
         """Stop the current iteration's protocol thread and its DataLoader workers,
@@ -1058,6 +1142,12 @@ def _pin(obj: Any) -> Any:
         return type(obj)(_pin(v) for v in obj)
     pin = getattr(obj, "pin_memory", None)
     return pin() if callable(pin) else obj
+
+
+def _restart_source(sampler: IndexChunks, inner: DataLoader[Any], ids: list[int]) -> Iterator[Any]:
+    """Dynamic sharding: point the inner loader at ids the core newly dealt."""
+    sampler.indices = ids
+    return iter(inner)
 
 
 def _pad_fallback(dataset: Any, rank: int) -> Any:

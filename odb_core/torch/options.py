@@ -23,7 +23,14 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler, IterableDataset, Sampler
 
-from odb_core.config import LossNormalization, Mode, OversizePolicy, Sharding, default_buffer_size
+from odb_core.config import (
+    LossNormalization,
+    Mode,
+    OversizePolicy,
+    Sharding,
+    coerce_enum,
+    default_buffer_size,
+)
 from odb_core.cost import CostKind, CostModel
 from odb_core.errors import ConfigError
 from odb_core.formers import FormerKind
@@ -36,14 +43,26 @@ __all__ = [
     "LoaderOptions",
     "LossOptions",
     "OutputOptions",
+    "ShardingChoice",
     "WorkerOptions",
 ]
 
 
 DEFAULT_WINDOW_BYTES = 1 << 30
-"""The window's byte bound when none is given (join mode, static sharding): the
-preprocessed samples a rank holds, in tensor bytes (benchmarks/window_bytes.py,
+"""The window's byte bound when none is given (join mode, static sharding in force):
+the preprocessed samples a rank holds, in tensor bytes (benchmarks/window_bytes.py,
 docs/ADAPTERS.md). Text-only windows stay far below it."""
+
+
+@dataclass(frozen=True)
+class ShardingChoice:
+    """The sharding in force and why (`loader.describe()`, the loader's log line)."""
+
+    sharding: Sharding
+    reason: str
+    given: bool
+    """True: the user passed `sharding=`; False: the default chose it (a state saved
+    under the other sharding then resumes under its own: `ODBDataLoader.load_state_dict`)."""
 
 
 def _value(x: Any) -> Any:
@@ -92,7 +111,7 @@ class EpochOptions:
     sampler: Sampler[Any] | Sequence[int] | None = None
     partition: bool = True
     id_fn: Callable[[Any], object] | None = None
-    sharding: Sharding | str = Sharding.STATIC
+    sharding: Sharding | str | None = None
 
     def __post_init__(self) -> None:
         _count("seed", self.seed)
@@ -225,17 +244,44 @@ class LoaderOptions:
             raise ConfigError(f"unknown ODBDataLoader option(s) {sorted(unknown)}")
         out = cls(peer_timeout=peer_timeout, **groups)
         out._check_early_form()
-        out.window_bound()
+        out.window_bound(out.sharding(iterable=False).sharding)
         return out
 
-    def window_bound(self) -> int | None:
-        """`ProtocolConfig.window_bytes`: `window_bytes=`, or DEFAULT_WINDOW_BYTES
-        when it is None in join mode with static sharding (the core bounds bytes
-        only there); 0 means no bound. A bound given for quota mode or dynamic
-        sharding raises ConfigError."""
+    def sharding(self, *, iterable: bool) -> ShardingChoice:
+        """The sharding in force: `sharding=` when given; else dynamic wherever it can
+        serve (a sized map-style dataset whose ids are its indices, split by the
+        loader), static where it cannot or where an option needs static: an
+        IterableDataset, `partition=False`, `id_fn=`, `sampler=` (its indices may
+        repeat; a plan lists each id once), `early_form=`, a `window_bytes=` bound
+        (join mode and static sharding only; unset, it applies only where static is
+        in force), or `deterministic=True` (its exact resume replays each rank's own
+        state; a dynamic state resumes only merged)."""
+        e, b = self.epoch, self.batch
+        if e.sharding is not None:
+            given = coerce_enum(Sharding, "sharding", e.sharding)
+            return ShardingChoice(given, f"sharding={given.value!r} given", True)
+        static_because = [
+            (iterable, "an IterableDataset"),
+            (not e.partition, "partition=False"),
+            (e.id_fn is not None, "id_fn= given"),
+            (e.sampler is not None, "sampler= given"),
+            (b.early_form is not None, f"early_form={b.early_form!r} (static only)"),
+            (bool(b.window_bytes), f"window_bytes={b.window_bytes!r} (static only)"),
+            (e.deterministic, "deterministic=True (exact resume from each rank's state)"),
+        ]
+        why = [text for cond, text in static_because if cond]
+        if why:
+            return ShardingChoice(Sharding.STATIC, "default; static: " + ", ".join(why), False)
+        return ShardingChoice(Sharding.DYNAMIC, "default for a sized map-style dataset", False)
+
+    def window_bound(self, sharding: Sharding) -> int | None:
+        """`ProtocolConfig.window_bytes` under the sharding in force: `window_bytes=`,
+        or DEFAULT_WINDOW_BYTES when it is None in join mode with static sharding
+        (the core bounds bytes only there); 0 means no bound. A bound given for
+        quota mode or dynamic sharding raises ConfigError."""
         given = self.batch.window_bytes
         e = self.epoch
-        other = e.quota_mode or _value(e.sharding) == Sharding.DYNAMIC.value
+        other = e.quota_mode or sharding is Sharding.DYNAMIC
         if given is None:
             return None if other else DEFAULT_WINDOW_BYTES
         if given and other:
@@ -254,7 +300,7 @@ class LoaderOptions:
         if k0 is None:
             return
         e = self.epoch
-        if e.quota_mode or _value(e.sharding) == Sharding.DYNAMIC.value:
+        if e.quota_mode or self.sharding(iterable=False).sharding is Sharding.DYNAMIC:
             raise ConfigError(
                 f"early_form={k0!r} needs mode='join' and sharding='static' (got "
                 f"mode={_value(e.mode)!r}, sharding={_value(e.sharding)!r})"
