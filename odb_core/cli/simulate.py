@@ -112,6 +112,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "(dynamic, the default, as the loader's) or a fixed 1/W shard per rank (static; "
         "the default with --early-form, which is static-only)",
     )
+    p.add_argument(
+        "--epochs",
+        type=positive_int,
+        default=1,
+        help="epochs in a row; from the second on, odb's deals are priced by the costs "
+        "observed in the one before (the learned cost table), and each sample's cost "
+        "varies between epochs by --epoch-noise (default 1)",
+    )
+    p.add_argument(
+        "--epoch-noise",
+        type=_nonneg_float,
+        default=0.1,
+        metavar="SIGMA",
+        help="relative spread (log-normal sigma) of a sample's cost from one epoch to the "
+        "next, as augmentation makes it (default 0.1)",
+    )
     p.add_argument("--quota", type=positive_int, default=None, help="odb-quota global quota")
     p.add_argument(
         "--oversize",
@@ -293,6 +309,8 @@ def build_configs(args: argparse.Namespace) -> list[Any]:
                     sharding=None if args.sharding is None else Sharding(args.sharding),
                     early_form=args.early_form,
                     early_form_wait_s=args.early_form_wait,
+                    epochs=args.epochs,
+                    epoch_noise=args.epoch_noise,
                 )
             )
     return configs
