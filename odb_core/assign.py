@@ -224,27 +224,31 @@ def _level(
         pour -= need
         level, below = e, below + 1
     level += pour // below
-    # One pass in rank order: each rank takes the next ids while its work stays
-    # nearest the level (an id goes where it lands at most half over).
-    out = [0] * w
-    j = 0
-    for r in range(w):
-        e, take = est[r], 0
-        while j < n_ids and (take < least[r] or 2 * e + prices[j] <= 2 * level):
+    # A pass in rank order: each rank takes the next ids while its work stays nearest
+    # the level (an id goes where it lands at most half over). What rounding leaves
+    # raises the level for another pass; the last rank takes what is left after that.
+    for _ in range(4):
+        out, j = _pass(est, least, prices, level)
+        if j == n_ids:
+            break
+        level += -(-sum(prices[j:]) // w)
+    out[-1] += n_ids - j
+    return tuple(out)
+
+
+def _pass(
+    est: Sequence[int], least: Sequence[int], prices: Sequence[int], level: int
+) -> tuple[list[int], int]:
+    out: list[int] = []
+    j, n = 0, len(prices)
+    for r, e in enumerate(est):
+        take = 0
+        while j < n and (take < least[r] or 2 * e + prices[j] <= 2 * level):
             e += prices[j]
             j += 1
             take += 1
-        est[r], out[r] = e, take
-    # What rounding left over goes, one id at a time, to the rank of least work
-    # (ties to the lower rank).
-    if j < n_ids:
-        heap = [(e, r) for r, e in enumerate(est)]
-        heapq.heapify(heap)
-        for _ in range(n_ids - j):
-            e, r = heapq.heappop(heap)
-            out[r] += 1
-            heapq.heappush(heap, (e + unit, r))
-    return tuple(out)
+        out.append(take)
+    return out, j
 
 
 def dynamic_bounds(plan_len: int, world: int, target: int) -> tuple[int, int]:
