@@ -60,6 +60,7 @@ from odb_core.config import (
     make_cost_model,
 )
 from odb_core.cost import Budget, CostKind, CostModel
+from odb_core.cost_table import CostTable
 from odb_core.epoch import EpochTracker
 from odb_core.errors import ConfigError, EpochFinishedError, ODBError, ResumeStateError
 from odb_core.estimate import StepsEstimate
@@ -324,6 +325,9 @@ class ODBDataLoader:
         self._pin = self._make_pin(pin_memory, pin_memory_device)
         self._index_sampler: IndexChunks | None = None
         self._plan: tuple[int, ...] = ()  # dynamic sharding: this epoch's plan
+        # Dynamic sharding: the costs observed in the last closed epoch, which price
+        # the next deals (odb_core.cost_table); None: priced at the mean.
+        self._cost_table: CostTable | None = None
         self._guard = WorkerGuard(worker_init_fn)
         if iterable:
             source: Any = IterSource(
@@ -484,7 +488,7 @@ class ODBDataLoader:
                 config = replace(config, carried=frozenset(self.carried_in))
             shard, order_digest = self._start_source(plan, excluded, step0)
             if config.dynamic:
-                config = replace(config, plan=self._plan)
+                config = replace(config, plan=self._plan, cost_table=self._cost_table)
             machine_cls = RankMachine if self.trace_dir is None else TracingRankMachine
             trace_path = None
             if self.trace_dir is not None:
@@ -520,6 +524,7 @@ class ODBDataLoader:
                 else None,
                 early_form_wait=self.early_form_wait if config.early_form else None,
                 fetch=self.options.workers.samples_per_fetch,
+                table_size=len(self.dataset) if config.dynamic else None,
             )
             self._workers_started = self.num_workers > 0
             self._pipeline = EpochPipeline(setup, threaded=self.prefetch_thread)
@@ -732,16 +737,23 @@ class ODBDataLoader:
         replayed from its start on every rank without collating the steps before
         the saved one, so the samples done are read again)."""
         if self._resume is not None:
-            return self._resume.to_dict()
-        return self._tracker.current(**self._identity()).to_dict()
+            return self._with_table(self._resume.to_dict())
+        return self._with_table(self._tracker.current(**self._identity()).to_dict())
 
     def state_after(self, step: int | None) -> dict[str, Any]:
         """`state_dict()` as of step `step` of the current pass, one of the last few
         yielded (None: before the pass's first), for a trainer that prefetches
         batches: a resume from it continues with step `step + 1`."""
         if self._resume is not None:  # loaded, not iterated yet
-            return self._resume.to_dict()
-        return self._tracker.after(step, **self._identity()).to_dict()
+            return self._with_table(self._resume.to_dict())
+        return self._with_table(self._tracker.after(step, **self._identity()).to_dict())
+
+    def _with_table(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state with the learned cost table the next deals are priced by (dynamic
+        sharding; absent when there is none: a resume then prices at the mean)."""
+        if self._cost_table is not None:
+            state[_TABLE_KEY] = self._cost_table.to_state()
+        return state
 
     def _identity(self) -> dict[str, Any]:
         return {
@@ -759,7 +771,8 @@ class ODBDataLoader:
         one collective at the first iteration after the load, against what every
         other rank loaded (`ResumeMismatchError` on every rank, the load undone)."""
         try:
-            progress, identity = self._checked_state(state)
+            table = self._checked_table(state)
+            progress, identity = self._checked_state(_without_table(state))
         except ConfigError:
             with self._lock:
                 # Nothing applied; the first iteration still tells the peers.
@@ -774,6 +787,7 @@ class ODBDataLoader:
             self._refused = False
             self._serial += 1
             self._set_identity(identity)
+            self._cost_table = table
             self._resume = progress
             self._carry = progress.carry
             self.epoch = progress.epoch
@@ -834,6 +848,27 @@ class ODBDataLoader:
             checked = (progress, self.world_size, self.rank)
             self._loaded_order = (key, target.order, checked, remaining)
         return progress, identity
+
+    def _checked_table(
+        self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> CostTable | None:
+        """The cost table a state (or every rank's, which must agree) carries, checked
+        (`CostTable.from_state`: shape, size = the dataset's length, checksum); None
+        when absent."""
+        states = [state] if isinstance(state, Mapping) else list(state)
+        size = None if self._iterable else len(self.dataset)
+        tables = [
+            None
+            if not isinstance(s, Mapping) or _TABLE_KEY not in s
+            else CostTable.from_state(s[_TABLE_KEY], size)
+            for s in states
+        ]
+        if any(t != tables[0] for t in tables[1:]):
+            raise ResumeStateError(
+                "loader state field cost_table differs between the ranks' states: every "
+                "rank prices the deals by the same table"
+            )
+        return tables[0] if tables else None
 
     def _identity_for(self, progress: EpochProgress) -> _Identity:
         """The config, fingerprint, digest and sharding choice this loader resumes
@@ -903,6 +938,8 @@ class ODBDataLoader:
         self._tracker.record(info, last_of_epoch=item.last_of_epoch)
         self.step_info = info
         if item.last_of_epoch:
+            if item.cost_table is not None:
+                self._cost_table = item.cost_table
             self._length.record(self.epoch, info.step + 1)
             self._advance = self._advance or serial == self._serial
             self._close_with(item.ledger)
@@ -911,6 +948,8 @@ class ODBDataLoader:
         if self._tracker.close():
             self._length.record(self.epoch, self._tracker.position.step)  # it ran no step
         self._advance = self._advance or serial == self._serial
+        if end.cost_table is not None:
+            self._cost_table = end.cost_table
         self._close_with(end.ledger)
         self.epoch_stats = end.stats
 
@@ -1018,7 +1057,10 @@ class ODBDataLoader:
         shard = list(self._plan[start:stop])
         assert self._index_sampler is not None
         self._index_sampler.indices = shard
-        flat = [*head, *order, -1, *sorted(excluded), -1, *carried]
+        # The table's checksum too: ranks that would price the deals differently (one
+        # loaded a state without the table) fail the first round's tag check.
+        table = 0 if self._cost_table is None else 1 + zlib.crc32(self._cost_table.codes)
+        flat = [*head, *order, -1, *sorted(excluded), -1, *carried, -1, table]
         return shard, zlib.crc32(array.array("q", flat).tobytes())
 
     def _source_iterator(self, config: ProtocolConfig) -> Iterator[Any]:
@@ -1142,6 +1184,26 @@ def _pin(obj: Any) -> Any:
         return type(obj)(_pin(v) for v in obj)
     pin = getattr(obj, "pin_memory", None)
     return pin() if callable(pin) else obj
+
+
+_TABLE_KEY = "cost_table"
+
+
+def _without_table(
+    state: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+) -> Mapping[str, Any] | Sequence[Mapping[str, Any]]:
+    """The state(s) without the cost table, which `EpochProgress` does not hold."""
+
+    def strip(s: Mapping[str, Any]) -> Mapping[str, Any]:
+        if isinstance(s, Mapping) and _TABLE_KEY in s:
+            return {k: v for k, v in s.items() if k != _TABLE_KEY}
+        return s
+
+    if isinstance(state, Mapping):
+        return strip(state)
+    if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+        return [strip(s) for s in state]
+    return state
 
 
 def _restart_source(sampler: IndexChunks, inner: DataLoader[Any], ids: list[int]) -> Iterator[Any]:
