@@ -5,12 +5,14 @@ pricing the next epoch, carried by the state, validated when loaded."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+import gloo_ranks  # noqa: E402
 from test_torch_dynamic import Skewed, collate, length_of  # noqa: E402
 from thread_ranks import RankLoader, on_ranks  # noqa: E402
 
@@ -81,3 +83,25 @@ def test_a_closed_epoch_teaches_every_rank_the_same_table_and_the_state_carries_
     odd = [states[0], {**states[1], "cost_table": CostTable(bytes(N)).to_state()}]
     with pytest.raises(ResumeStateError, match="differs between the ranks"):
         RankLoader(LocalTransport(), Skewed(), **KW).load_state_dict(odd)
+
+
+def run_exchange(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """On a real gloo rank: the loader transport's all-reduce of this rank's table."""
+    from odb_core.cost_table import record
+    from odb_core.torch.transport import GlooTransport
+
+    t = GlooTransport(30.0)
+    t.connect({})
+    size = spec["size"]
+    mine = record({i: length_of(i) for i in range(rank, size, world)}, size)
+    codes = t.reduce_max(bytes(mine), "a test exchange")
+    return {"codes": list(codes)}
+
+
+def test_the_table_exchange_is_an_all_reduce_max_on_real_gloo_ranks(tmp_path: Path) -> None:
+    results = gloo_ranks.launch(f"{__name__}:run_exchange", 2, {"size": 50}, tmp_path)
+    for r, res in enumerate(results):
+        assert res is not None and res["ok"], f"rank {r}: {res}"
+    tables = [CostTable(bytes(res["codes"])) for res in results if res is not None]
+    assert tables[0] == tables[1]
+    assert [tables[0].price(i) for i in range(50)] == [_expected(i) for i in range(50)]
