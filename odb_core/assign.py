@@ -224,31 +224,25 @@ def _level(
         pour -= need
         level, below = e, below + 1
     level += pour // below
-    # A pass in rank order: each rank takes the next ids while its work stays nearest
-    # the level (an id goes where it lands at most half over). What rounding leaves
-    # raises the level for another pass; the last rank takes what is left after that.
-    for _ in range(4):
-        out, j = _pass(est, least, prices, level)
-        if j == n_ids:
-            break
-        level += -(-sum(prices[j:]) // w)
-    out[-1] += n_ids - j
-    return tuple(out)
-
-
-def _pass(
-    est: Sequence[int], least: Sequence[int], prices: Sequence[int], level: int
-) -> tuple[list[int], int]:
-    out: list[int] = []
-    j, n = 0, len(prices)
-    for r, e in enumerate(est):
+    # The slices in rank order: rank r's ends where the round's priced ids, summed
+    # from the first, come nearest to what ranks 0..r lack of the level (so rounding
+    # never accumulates); the last rank's ends at the round's last id. A starved
+    # rank takes at least its one id, and later ranks' are kept for them.
+    out = [0] * w
+    reserved = sum(least)
+    poured = target = j = 0
+    for r in range(w):
+        reserved -= least[r]
+        target += max(0, level - est[r])
         take = 0
-        while j < n and (take < least[r] or 2 * e + prices[j] <= 2 * level):
-            e += prices[j]
+        while j < n_ids - reserved and (
+            r == w - 1 or take < least[r] or 2 * poured + prices[j] <= 2 * target
+        ):
+            poured += prices[j]
             j += 1
             take += 1
-        out.append(take)
-    return out, j
+        out[r] = take
+    return tuple(out)
 
 
 def dynamic_bounds(plan_len: int, world: int, target: int) -> tuple[int, int]:

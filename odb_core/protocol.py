@@ -288,6 +288,9 @@ class RankSnapshot(NamedTuple):
     queue: tuple[int, ...] = ()  # dynamic sharding: assigned ids not yet observed
     cursor: int = 0  # dynamic sharding: plan positions dealt so far
     formed: bool = False  # dynamic sharding: a starved rank formed its window
+    # Dynamic sharding with a cost table: the plan slices dealt to every rank, in
+    # order (agreed state the priced deal reads; () without a table).
+    slices: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 def loss_scale(
@@ -523,7 +526,7 @@ class RankMachine:
             contributions,
             plan_left=self.plan_left if c.dynamic else None,
             target=c.target,
-            pricing=self._pricing(contributions),
+            pricing=self.pricing(contributions),
         )
         steps = self._emit(decision)
         if decision.assigned:
@@ -597,6 +600,7 @@ class RankMachine:
             tuple(self.queue),
             self.cursor,
             self.formed,
+            tuple(tuple(s) for s in self._slices),
         )
 
     @classmethod
@@ -614,6 +618,8 @@ class RankMachine:
         m.queue = dict.fromkeys(snap.queue)
         m.cursor = snap.cursor
         m.formed = snap.formed
+        if snap.slices:
+            m._slices = [list(s) for s in snap.slices]
         return m
 
     # ---- internals -----------------------------------------------------
@@ -645,7 +651,7 @@ class RankMachine:
             held_work,
         )
 
-    def _pricing(self, contributions: Sequence[Contribution]) -> Pricing | None:
+    def pricing(self, contributions: Sequence[Contribution]) -> Pricing | None:
         """What the cost table says of this round's deal (None without a table): each
         rank's unread ids, the last `unread` of the ids dealt to it (a rank reads its
         ids in dealt order; were it not to, only the balance would suffer), and the

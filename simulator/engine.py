@@ -152,6 +152,9 @@ class SimConfig:
     its ranks observed in the one before (`odb_core.cost_table`), and every sample's
     cost varies from epoch to epoch by `epoch_noise` (augmentation)."""
     epoch_noise: float = 0.1
+    cost_table: bool = True
+    """From the second epoch, price odb's deals by the costs learned in the one
+    before; False: at the mean, as in the first (the control of the table's gain)."""
     """The relative spread (log-normal sigma) of a sample's cost between epochs."""
     early_form_wait_s: float = 0.25
     """A rank forms early only if its next sample is not there yet and the rest of
@@ -784,6 +787,7 @@ def simulate(cfg: SimConfig, progress: Progress | None = None) -> dict[str, Any]
     if cfg.epochs == 1:
         return _simulate_epoch(cfg, progress, 0, {})
     tables: dict[str, CostTable | None] = {}
+    learned: dict[str, CostTable | None] = {}
     workload, epochs = cfg.workload, []
     out: dict[str, Any] = {}
     for e in range(cfg.epochs):
@@ -800,8 +804,9 @@ def simulate(cfg: SimConfig, progress: Progress | None = None) -> dict[str, Any]
                 "ok": out["ok"],
             }
         )
-        tables = out.pop("learned")
-    seen = next((t for t in tables.values() if t is not None), None)
+        learned = out.pop("learned")
+        tables = learned if cfg.cost_table else {}
+    seen = next((t for t in learned.values() if t is not None), None)
     out["epochs"] = epochs
     out["ok"] = all(e["ok"] for e in epochs)
     if seen is not None:

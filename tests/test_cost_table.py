@@ -142,8 +142,8 @@ class RankLocalPricing(RankMachine):
     prices), so the ranks' deals differ and the ids each loads are no longer one
     split of the plan: pricing that changes the ids dealt, not only where they go."""
 
-    def _pricing(self, contributions: Sequence[Contribution]) -> Pricing | None:
-        p = super()._pricing(contributions)
+    def pricing(self, contributions: Sequence[Contribution]) -> Pricing | None:
+        p = super().pricing(contributions)
         if p is None:
             return None
         skew = 1 + 50 * self.rank

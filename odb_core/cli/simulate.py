@@ -128,6 +128,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="relative spread (log-normal sigma) of a sample's cost from one epoch to the "
         "next, as augmentation makes it (default 0.1)",
     )
+    p.add_argument(
+        "--no-cost-table",
+        action="store_true",
+        help="with --epochs: price every epoch's deals at the mean, as the first (the "
+        "control of the learned table's gain)",
+    )
     p.add_argument("--quota", type=positive_int, default=None, help="odb-quota global quota")
     p.add_argument(
         "--oversize",
@@ -311,6 +317,7 @@ def build_configs(args: argparse.Namespace) -> list[Any]:
                     early_form_wait_s=args.early_form_wait,
                     epochs=args.epochs,
                     epoch_noise=args.epoch_noise,
+                    cost_table=not args.no_cost_table,
                 )
             )
     return configs
