@@ -44,12 +44,12 @@ def test_a_closed_epoch_teaches_every_rank_the_same_table_and_the_state_carries_
     def body(loader: Any) -> tuple[list[StepInfo], dict[str, Any]]:
         assert loader.describe()["sharding"] == "dynamic"  # the default here
         first = _epoch(loader)
-        assert loader._cost_table is not None
+        assert loader.cost_table is not None
         second = _epoch(loader)
         return first + second, loader.state_dict()
 
     results = on_ranks(2, lambda t: RankLoader(t, Skewed(), **KW), body)
-    tables = [res.loader._cost_table for res in results]
+    tables = [res.loader.cost_table for res in results]
     assert tables[0] == tables[1] and tables[0] is not None
     assert [tables[0].price(i) for i in range(N)] == [_expected(i) for i in range(N)]
     ids = [i for res in results for i in res.ids]
@@ -59,7 +59,7 @@ def test_a_closed_epoch_teaches_every_rank_the_same_table_and_the_state_carries_
 
     def resume(loader: Any) -> tuple[list[StepInfo], dict[str, Any]]:
         loader.load_state_dict(states)
-        assert loader._cost_table == tables[0]
+        assert loader.cost_table == tables[0]
         return _epoch(loader), {}
 
     again = on_ranks(2, lambda t: RankLoader(t, Skewed(), **KW), resume)
@@ -69,9 +69,9 @@ def test_a_closed_epoch_teaches_every_rank_the_same_table_and_the_state_carries_
     bare = [{k: v for k, v in s.items() if k != "cost_table"} for s in states]
     fresh = RankLoader(LocalTransport(), Skewed(), **KW)
     fresh.load_state_dict(bare)
-    assert fresh._cost_table is None and "cost_table" not in fresh.state_dict()
+    assert fresh.cost_table is None and "cost_table" not in fresh.state_dict()
     assert sorted(i for info in _epoch(fresh) for i in info.sample_ids) == list(range(N))
-    assert fresh._cost_table is not None and fresh._cost_table.seen == N  # learned again
+    assert fresh.cost_table is not None and fresh.cost_table.seen == N  # learned again
     # Untrusted: a table that does not match its checksum, or the dataset, is refused.
     for bad, match in (
         ({**states[0]["cost_table"], "crc32": 1}, "crc32"),

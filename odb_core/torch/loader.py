@@ -260,12 +260,12 @@ class ODBDataLoader:
         args = {k: v for k, v in locals().items() if k not in ("self", "dataset")}
         self.options = LoaderOptions.of(**args)
         iterable = self.options.check_dataset(dataset)
-        self._sharding = self.options.sharding(iterable=iterable)
 
         self.dataset = dataset
         self.transport: Transport = self._make_transport(peer_timeout)
         self.rank = self.transport.rank
         self.world_size = self.transport.world_size
+        self._sharding = self.options.sharding(iterable=iterable, world=self.world_size)
         if isinstance(cost_model, (str, CostKind)):
             cost_model = make_cost_model(cost_model)
         self.config = ProtocolConfig(
@@ -328,6 +328,8 @@ class ODBDataLoader:
         # Dynamic sharding: the costs observed in the last closed epoch, which price
         # the next deals (odb_core.cost_table); None: priced at the mean.
         self._cost_table: CostTable | None = None
+        # What the current epoch's close learned: in force from the next epoch on.
+        self._learned: CostTable | None = None
         self._guard = WorkerGuard(worker_init_fn)
         if iterable:
             source: Any = IterSource(
@@ -461,6 +463,8 @@ class ODBDataLoader:
                 self._verify_resume()
             if self._advance:
                 self._next_epoch()
+            if self._learned is not None:  # a closed epoch taught it: the next pass's
+                self._cost_table, self._learned = self._learned, None
             self._iteration += 1
             progress = self._resume if self._resume and self._resume.epoch == self.epoch else None
             self._resume = None
@@ -488,7 +492,7 @@ class ODBDataLoader:
                 config = replace(config, carried=frozenset(self.carried_in))
             shard, order_digest = self._start_source(plan, excluded, step0)
             if config.dynamic:
-                config = replace(config, plan=self._plan, cost_table=self._cost_table)
+                config = replace(config, plan=self._plan, cost_table=self._pricing_table())
             machine_cls = RankMachine if self.trace_dir is None else TracingRankMachine
             trace_path = None
             if self.trace_dir is not None:
@@ -748,11 +752,21 @@ class ODBDataLoader:
             return self._with_table(self._resume.to_dict())
         return self._with_table(self._tracker.after(step, **self._identity()).to_dict())
 
+    @property
+    def cost_table(self) -> CostTable | None:
+        """The learned cost table the next deals are priced by (dynamic sharding:
+        what the ranks observed in the last closed epoch, or what a loaded state
+        carried); None: priced at the gathered mean."""
+        return self._learned if self._learned is not None else self._cost_table
+
     def _with_table(self, state: dict[str, Any]) -> dict[str, Any]:
         """A state with the learned cost table the next deals are priced by (dynamic
         sharding; absent when there is none: a resume then prices at the mean)."""
-        if self._cost_table is not None:
-            state[_TABLE_KEY] = self._cost_table.to_state()
+        table = self._cost_table
+        if state.get("closed") and self._learned is not None:
+            table = self._learned  # a closed state resumes with the next epoch
+        if table is not None:
+            state[_TABLE_KEY] = table.to_state()
         return state
 
     def _identity(self) -> dict[str, Any]:
@@ -787,7 +801,7 @@ class ODBDataLoader:
             self._refused = False
             self._serial += 1
             self._set_identity(identity)
-            self._cost_table = table
+            self._cost_table, self._learned = table, None
             self._resume = progress
             self._carry = progress.carry
             self.epoch = progress.epoch
@@ -872,21 +886,28 @@ class ODBDataLoader:
 
     def _identity_for(self, progress: EpochProgress) -> _Identity:
         """The config, fingerprint, digest and sharding choice this loader resumes
-        `progress` under. A state saved under static sharding (whose fingerprint has
-        no `protocol.sharding`: every state of a run before dynamic became the
-        default) resumes under static when the default chose dynamic: its done ids
-        are per-rank shards, which only static resumes. A `sharding=` given, or a
-        default that chose static, is kept: a mismatch is a fingerprint error."""
+        `progress` under. When the default chose the sharding, a state saved under
+        the other one resumes under its own where it can: a static state (whose
+        fingerprint has no `protocol.sharding`: every state of a run before dynamic
+        became the default) under static, since its done ids are per-rank shards
+        that only static resumes; a dynamic state under dynamic where only the one
+        rank made the default static. A `sharding=` given, or a default that chose
+        static for a reason dynamic cannot serve, is kept: a mismatch is then a
+        fingerprint error naming `protocol.sharding`."""
         here = self._sharding
         saved = progress.fingerprint.get("protocol.sharding", Sharding.STATIC.value)
-        if here.given or here.sharding is not Sharding.DYNAMIC or saved != Sharding.STATIC.value:
+        if here.given or saved == here.sharding.value:
             return (self.config, self._fingerprint, self._digest, here)
-        config = self._config_for(Sharding.STATIC)
+        if saved == Sharding.STATIC.value:
+            adopt = Sharding.STATIC
+        elif saved == Sharding.DYNAMIC.value and here.only_one_rank:
+            adopt = Sharding.DYNAMIC
+        else:
+            return (self.config, self._fingerprint, self._digest, here)
+        config = self._config_for(adopt)
         fp, digest = self._identity_of(config)
-        choice = ShardingChoice(
-            Sharding.STATIC, "default; static: resumed from a state saved under static", False
-        )
-        return (config, fp, digest, choice)
+        why = f"default; {adopt.value}: resumed from a state saved under {adopt.value}"
+        return (config, fp, digest, ShardingChoice(adopt, why, False))
 
     def _set_identity(self, identity: _Identity) -> None:
         self.config, self._fingerprint, self._digest, self._sharding = identity
@@ -939,7 +960,7 @@ class ODBDataLoader:
         self.step_info = info
         if item.last_of_epoch:
             if item.cost_table is not None:
-                self._cost_table = item.cost_table
+                self._learned = item.cost_table
             self._length.record(self.epoch, info.step + 1)
             self._advance = self._advance or serial == self._serial
             self._close_with(item.ledger)
@@ -949,7 +970,7 @@ class ODBDataLoader:
             self._length.record(self.epoch, self._tracker.position.step)  # it ran no step
         self._advance = self._advance or serial == self._serial
         if end.cost_table is not None:
-            self._cost_table = end.cost_table
+            self._learned = end.cost_table
         self._close_with(end.ledger)
         self.epoch_stats = end.stats
 
@@ -1059,9 +1080,19 @@ class ODBDataLoader:
         self._index_sampler.indices = shard
         # The table's checksum too: ranks that would price the deals differently (one
         # loaded a state without the table) fail the first round's tag check.
-        table = 0 if self._cost_table is None else 1 + zlib.crc32(self._cost_table.codes)
+        priced = self._pricing_table()
+        table = 0 if priced is None else 1 + zlib.crc32(priced.codes)
         flat = [*head, *order, -1, *sorted(excluded), -1, *carried, -1, table]
         return shard, zlib.crc32(array.array("q", flat).tobytes())
+
+    def _pricing_table(self) -> CostTable | None:
+        """The table this epoch's deals are priced by: None with `trace_dir` (a traced
+        epoch deals as the spec's mean-priced `Deal`, so its trace replays in the
+        Python model and TLC) or when it does not cover the dataset."""
+        t = self._cost_table
+        if t is None or self.trace_dir is not None or len(t) != len(self.dataset):
+            return None
+        return t
 
     def _source_iterator(self, config: ProtocolConfig) -> Iterator[Any]:
         """The inner loader's iterator; with early forms, read ahead on its own thread

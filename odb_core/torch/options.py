@@ -62,7 +62,10 @@ class ShardingChoice:
     reason: str
     given: bool
     """True: the user passed `sharding=`; False: the default chose it (a state saved
-    under the other sharding then resumes under its own: `ODBDataLoader.load_state_dict`)."""
+    under static then resumes under static: `ODBDataLoader.load_state_dict`)."""
+    only_one_rank: bool = False
+    """The default chose static only because the run has one rank (nothing to
+    balance): a state saved under dynamic sharding resumes under dynamic."""
 
 
 def _value(x: Any) -> Any:
@@ -247,15 +250,16 @@ class LoaderOptions:
         out.window_bound(out.sharding(iterable=False).sharding)
         return out
 
-    def sharding(self, *, iterable: bool) -> ShardingChoice:
+    def sharding(self, *, iterable: bool, world: int = 2) -> ShardingChoice:
         """The sharding in force: `sharding=` when given; else dynamic wherever it can
         serve (a sized map-style dataset whose ids are its indices, split by the
         loader), static where it cannot or where an option needs static: an
         IterableDataset, `partition=False`, `id_fn=`, `sampler=` (its indices may
         repeat; a plan lists each id once), `early_form=`, a `window_bytes=` bound
         (join mode and static sharding only; unset, it applies only where static is
-        in force), or `deterministic=True` (its exact resume replays each rank's own
-        state; a dynamic state resumes only merged)."""
+        in force), `deterministic=True` (its exact resume replays each rank's own
+        state; a dynamic state resumes only merged), or a world of one rank (nothing
+        to balance, and a deal target below the window would only cut windows short)."""
         e, b = self.epoch, self.batch
         if e.sharding is not None:
             given = coerce_enum(Sharding, "sharding", e.sharding)
@@ -272,6 +276,10 @@ class LoaderOptions:
         why = [text for cond, text in static_because if cond]
         if why:
             return ShardingChoice(Sharding.STATIC, "default; static: " + ", ".join(why), False)
+        if world == 1:
+            return ShardingChoice(
+                Sharding.STATIC, "default; static: one rank, nothing to balance", False, True
+            )
         return ShardingChoice(Sharding.DYNAMIC, "default for a sized map-style dataset", False)
 
     def window_bound(self, sharding: Sharding) -> int | None:
