@@ -142,8 +142,9 @@ class SimConfig:
     faults: Faults = field(default_factory=Faults)
     tail_window: int = 12
     sharding: Sharding | None = None
-    """odb's sharding; None: dynamic, as the loader's default, unless `early_form` is
-    set (early forms are static-only, as in the loader)."""
+    """odb's sharding; None: dynamic, as the loader's default, but static with
+    `early_form` (static-only) or the padded cost (a deal target below the window
+    pads more), as in the loader."""
     early_form: int | None = None
     """odb (join mode): `ProtocolConfig.early_form`, the least partial window a rank
     forms early; None: off."""
@@ -195,8 +196,9 @@ class SimConfig:
         object.__setattr__(self, "cost", cost)
         object.__setattr__(self, "former", coerce_enum(FormerKind, "former", self.former))
         sharding = self.sharding
-        if sharding is None:
-            sharding = Sharding.STATIC if self.early_form is not None else Sharding.DYNAMIC
+        if sharding is None:  # the loader's default (odb_core.torch.options)
+            static = self.early_form is not None or cost is CostKind.PADDED
+            sharding = Sharding.STATIC if static else Sharding.DYNAMIC
         object.__setattr__(self, "sharding", coerce_enum(Sharding, "sharding", sharding))
         if not isinstance(self.oversize, OversizePolicy):
             object.__setattr__(self, "oversize", OversizePolicy(self.oversize))

@@ -42,6 +42,8 @@ class Stream(IterableDataset[dict[str, Any]]):
         ({"early_form": 4, "buffer_size": 8}, False, 2, "static", "early_form=4"),
         ({"window_bytes": 123}, False, 2, "static", "window_bytes=123"),
         ({"deterministic": True}, False, 2, "static", "deterministic=True"),
+        ({"cost_model": "padded"}, False, 2, "static", "cost_model='padded'"),
+        ({"cost_model": "attention"}, False, 2, "dynamic", "map-style"),
         ({}, False, 1, "static", "one rank"),
         ({"sharding": "static"}, False, 2, "static", "sharding='static' given"),
         ({"sharding": "dynamic"}, False, 1, "dynamic", "sharding='dynamic' given"),

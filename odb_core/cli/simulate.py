@@ -110,7 +110,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="odb's sharding: ids dealt each round to the ranks holding the least work "
         "(dynamic, the default, as the loader's) or a fixed 1/W shard per rank (static; "
-        "the default with --early-form, which is static-only)",
+        "the default with --early-form, which is static-only, and --cost padded)",
     )
     p.add_argument(
         "--epochs",
