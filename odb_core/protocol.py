@@ -195,7 +195,10 @@ def decide_round(
                 break
     assigned: tuple[int, ...] = ()
     if plan_left is not None and not done:
-        assigned = deal(contributions, k, plan_left, target, pricing)
+        if pricing is None:
+            assigned = deal(contributions, k, plan_left, target)
+        else:
+            assigned = deal(contributions, k, plan_left, target, pricing)
     return RoundDecision(k, done, gs, gt, gl, assigned)
 
 
