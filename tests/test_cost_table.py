@@ -159,3 +159,22 @@ def test_pricing_from_anything_but_agreed_state_is_caught() -> None:
     assert check(dynamic_model(cfg, costs)).ok
     r = check(dynamic_model(cfg, costs, machine=RankLocalPricing))
     assert not r.ok and "NoLoss" in {v.property for v in r.violations}
+
+
+def test_a_table_that_prices_exactly_keeps_the_tail_within_one_round() -> None:
+    """D3's premise (every sample costs the budget) with a table that knows it: the
+    priced deal keeps every rank's last real batch within one round of the others,
+    over the 64 configurations of tests/test_dynamic_tail.py."""
+    from dataclasses import replace
+
+    from test_dynamic_tail import BUDGET, GRID, _config
+
+    from odb_core.verify.tail import dry_round_gap
+
+    gaps = []
+    for n, *rest in GRID:
+        cfg = _config((BUDGET,) * n, *rest)
+        table = CostTable(record(dict.fromkeys(range(n), BUDGET), n))
+        assert table.price(0) == BUDGET
+        gaps.append(dry_round_gap(replace(cfg, protocol=replace(cfg.protocol, cost_table=table))))
+    assert max(gaps) == 1  # reached, never exceeded
