@@ -181,7 +181,10 @@ class ODBDataLoader:
     (False: yield exactly collate_fn's output, without the `odb_step` key),
     `sharding` ('static' | 'dynamic': the core deals the epoch's indices each round
     to the ranks holding the least work; map-style, join or quota mode (the ledger
-    is dealt first in the next pass), resumed from the merged state of every rank),
+    is dealt first in the next pass), resumed from the merged state of every rank,
+    from the second epoch on priced by the costs the ranks observed (`cost_table`);
+    unset: dynamic for a sized map-style dataset on more than one rank, static where
+    dynamic cannot serve or an option needs static; `describe()` says which and why),
     `early_form` / `early_form_wait` (opt-in, join mode
     and static sharding: a rank whose training loop has no step waiting, whose next
     sample is not there yet, and whose window would take more than
@@ -191,7 +194,8 @@ class ODBDataLoader:
     your dataset on it when num_workers=0. Batch composition then depends on
     when samples arrive: every sample is still emitted exactly once and every rank
     runs the same steps, but a run is not reproducible batch for batch, so it
-    excludes deterministic=True), `window_bytes` (join mode and static sharding:
+    excludes deterministic=True), `window_bytes` (join mode and static sharding;
+    given, it makes the default sharding static:
     a bound on the tensor bytes of the preprocessed samples a rank holds in its
     window and formed batches; a window that reaches it emits its fullest batch
     before it takes another sample; default `DEFAULT_WINDOW_BYTES`, 1 GiB, which
