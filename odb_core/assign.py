@@ -22,8 +22,8 @@ the round's agreed step count only: determinism and resume are unaffected.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 
 class Contribution(Protocol):
@@ -101,11 +101,27 @@ def initial_cursor(plan_len: int, world: int, target: int) -> int:
     return min(world * initial_share(plan_len, world, target), plan_len)
 
 
+class Pricing(NamedTuple):
+    """What a learned cost table (`odb_core.cost_table`) says of the round's ids, from
+    agreed state only: every rank computes the same `Pricing`.
+
+    `unread[r]`: rank r's unread ids as (priced cost of those the table knows, count
+    of those it does not). `upcoming(k)`: the priced cost of the k-th plan id after
+    the cursor, None when unseen. `mean`: the table's mean priced cost (>= 1), which
+    prices unseen ids while no rank holds a sample.
+    """
+
+    unread: Sequence[tuple[int, int]]
+    upcoming: Callable[[int], int | None]
+    mean: int
+
+
 def deal(
     contributions: Sequence[Contribution],
     steps: int,
     plan_left: int,
     target: int,
+    pricing: Pricing | None = None,
 ) -> tuple[int, ...]:
     """How many of the next `plan_left` plan ids each rank loads, in rank order
     (rank r takes the slice after those of ranks < r).
@@ -114,6 +130,11 @@ def deal(
     held. Pure and integer-only, so every rank computes the same tuple.
 
     A round that runs steps deals at most half of the plan left (`deal_cap`).
+
+    `pricing` (a learned cost table, optional) changes only how the round's ids are
+    split between the ranks (`_level`), never how many are dealt: the count is
+    decided above it from the gathered vectors alone, so the ids dealt are the same
+    whatever the table holds (proofs/dynamic_sharding.md, "Pricing").
     """
     plan_left = deal_cap(plan_left, len(contributions), steps)
     counts: list[int] = []
@@ -143,6 +164,8 @@ def deal(
         for c in contributions
     )
     held_w = sum(work)
+    if pricing is not None:
+        return _level(contributions, work, out, total, held_n, held_w, pricing)
     if held_n == 0 or held_w == 0:
         scale, unit = 1, 1
         heap = [(n + out[r], r) for r, n in enumerate(counts)]
@@ -156,6 +179,69 @@ def deal(
         est, r = heapq.heappop(heap)
         out[r] += 1
         heapq.heappush(heap, (est + unit, r))
+    return tuple(out)
+
+
+def _level(
+    contributions: Sequence[Contribution],
+    work: list[int],
+    least: list[int],
+    total: int,
+    held_n: int,
+    held_w: int,
+    pricing: Pricing,
+) -> tuple[int, ...]:
+    """Split `total` ids (the next plan ids, in rank-order slices, each rank at least
+    `least[r]`) so that every rank's priced work ends near one common level: known
+    costs at the table's price, unseen ids at the gathered mean (the table's, while
+    nothing is held). Integer-only: everything is scaled by the mean's denominator.
+    The count dealt is `total` whatever the prices."""
+    w = len(contributions)
+    if held_n > 0 and held_w > 0:
+        scale, unit = held_n, held_w
+    else:
+        scale, unit = 1, max(1, pricing.mean)
+
+    def price(k: int) -> int:
+        p = pricing.upcoming(k)
+        return unit if p is None else max(0, p) * scale
+
+    n_ids = total + sum(least)  # the starved ranks' first ids are in the slices too
+    prices = [price(k) for k in range(n_ids)]
+    est = []
+    for r in range(w):
+        known, unseen = pricing.unread[r]
+        est.append(work[r] * scale + max(0, known) * scale + max(0, unseen) * unit)
+    # The common level L at which the round's priced work, poured over the ranks,
+    # tops every rank below L up to it: sum(max(0, L - est[r])) = sum(prices).
+    pour = sum(prices)
+    ordered = sorted(est)
+    level, below = ordered[0], 1
+    for e in ordered[1:]:
+        need = below * (e - level)
+        if need >= pour:
+            break
+        pour -= need
+        level, below = e, below + 1
+    level += pour // below
+    # The slices in rank order: rank r's ends where the round's priced ids, summed
+    # from the first, come nearest to what ranks 0..r lack of the level (so rounding
+    # never accumulates); the last rank's ends at the round's last id. A starved
+    # rank takes at least its one id, and later ranks' are kept for them.
+    out = [0] * w
+    reserved = sum(least)
+    poured = target = j = 0
+    for r in range(w):
+        reserved -= least[r]
+        target += max(0, level - est[r])
+        take = 0
+        while j < n_ids - reserved and (
+            r == w - 1 or take < least[r] or 2 * poured + prices[j] <= 2 * target
+        ):
+            poured += prices[j]
+            j += 1
+            take += 1
+        out[r] = take
     return tuple(out)
 
 

@@ -16,6 +16,7 @@ from odb_core.cost import (
     PackedTokens,
     PaddedTokens,
 )
+from odb_core.cost_table import CostTable
 from odb_core.errors import ConfigError
 from odb_core.formers import FormerKind
 
@@ -142,6 +143,11 @@ class ProtocolConfig:
     """Dynamic sharding: the configured target T, the window size `buffer_size` when
     not set. The deal tops each rank up to `target`, which is T bounded by the
     plan's half split (`assign.deal_target`)."""
+    cost_table: CostTable | None = None
+    """Dynamic sharding: the costs observed in an earlier epoch, which price the deal's
+    ids (`odb_core.cost_table`; None: every unread id at the gathered mean). Placement
+    only: the ids dealt, and so every guarantee, do not depend on it. Not part of
+    `describe()`: it is learned, and a state without it resumes with mean pricing."""
     carried: frozenset[int] = frozenset()
     """Quota mode: the ids this pass took over from the last one's ledger (the
     same set on every rank); each rank forms them ahead of fresh samples
@@ -194,6 +200,11 @@ class ProtocolConfig:
             raise ConfigError("plan lists a sample id twice")
         if self.plan and self.sharding is not Sharding.DYNAMIC:
             raise ConfigError("a plan is only meaningful with sharding='dynamic'")
+        if self.cost_table is not None:
+            if not isinstance(self.cost_table, CostTable):
+                raise ConfigError(f"cost_table={self.cost_table!r} must be a CostTable")
+            if self.sharding is not Sharding.DYNAMIC:
+                raise ConfigError("a cost table prices deals: it needs sharding='dynamic'")
         if self.assign_target is not None:
             _positive_int("assign_target", self.assign_target)
         if not isinstance(self.deterministic, bool):

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-from odb_core.config import Mode, ProtocolConfig
+from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.errors import ConfigError
 from odb_core.protocol import RankMachine, steps_bound
 from odb_core.sample import Sample
@@ -73,8 +73,17 @@ def _profile(
     draws = [costs[rng.randrange(len(costs))] for _ in range(m)]
     # Optimizer windows and `deterministic` do not change what the former forms,
     # so they are kept; a pass's carried ids go with quota mode (a join config
-    # refuses them).
-    single = replace(config, world_size=1, mode=Mode.JOIN, quota=None, carried=frozenset())
+    # refuses them). A rank alone reads its whole share: dynamic sharding's deals only
+    # balance the ranks' shares, which `estimate_epoch_steps` takes as given.
+    single = replace(
+        config,
+        world_size=1,
+        mode=Mode.JOIN,
+        quota=None,
+        carried=frozenset(),
+        sharding=Sharding.STATIC,
+        plan=(),
+    )
     machine = RankMachine(0, single)
     source = iter(draws[i]._replace(id=i) for i in range(m))
     cumulative: list[int] = []

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from odb_core.assign import deal, initial_cursor, initial_slice
+from odb_core.assign import Pricing, deal, initial_cursor, initial_slice
 from odb_core.batch import Batch
 from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
 from odb_core.cost import BatchStats
@@ -157,6 +157,7 @@ def decide_round(
     *,
     plan_left: int | None = None,
     target: int = 0,
+    pricing: Pricing | None = None,
 ) -> RoundDecision:
     """The collective semantics: how many aligned steps this round runs, and whether
     the epoch closes after them. Pure, so every rank computes the same answer.
@@ -194,7 +195,10 @@ def decide_round(
                 break
     assigned: tuple[int, ...] = ()
     if plan_left is not None and not done:
-        assigned = deal(contributions, k, plan_left, target)
+        if pricing is None:
+            assigned = deal(contributions, k, plan_left, target)
+        else:
+            assigned = deal(contributions, k, plan_left, target, pricing)
     return RoundDecision(k, done, gs, gt, gl, assigned)
 
 
@@ -287,6 +291,9 @@ class RankSnapshot(NamedTuple):
     queue: tuple[int, ...] = ()  # dynamic sharding: assigned ids not yet observed
     cursor: int = 0  # dynamic sharding: plan positions dealt so far
     formed: bool = False  # dynamic sharding: a starved rank formed its window
+    # Dynamic sharding with a cost table: the plan slices dealt to every rank, in
+    # order (agreed state the priced deal reads; () without a table).
+    slices: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 def loss_scale(
@@ -336,6 +343,11 @@ class RankMachine:
         self.queue: dict[int, None] = {}
         self.cursor = 0
         self.formed = False  # starved: the window was formed since it last changed
+        # Dynamic sharding: the cost of each id this rank observed (the next epoch's
+        # cost table, `odb_core.cost_table.record`), and, when a table prices the
+        # deals, the plan slices dealt to every rank, in order (agreed state).
+        self.observed: dict[int, int] = {}
+        self._slices: list[list[tuple[int, int]]] = []
         # Window bytes (`config.window_bytes`): the size, as observed, of each sample
         # held in the window or in a formed batch not yet emitted, and their sum.
         self.sizes: dict[int, int] = {}
@@ -345,6 +357,8 @@ class RankMachine:
             start, stop = initial_slice(rank, n, w, config.target)
             self.queue = dict.fromkeys(config.plan[start:stop])
             self.cursor = initial_cursor(n, w, config.target)
+            if config.cost_table is not None:
+                self._slices = [[initial_slice(q, n, w, config.target)] for q in range(w)]
 
     # ---- queries -------------------------------------------------------
 
@@ -435,6 +449,7 @@ class RankMachine:
                     f"rank {self.rank}: sample id {sample.id!r} is not assigned to this rank"
                 )
             del self.queue[sample.id]
+            self.observed[sample.id] = sample.tokens + sample.visual_tokens
         self.formed = False
         sample = self._apply_oversize_policy(sample)
         self._seen.add(sample.id)
@@ -514,11 +529,18 @@ class RankMachine:
             contributions,
             plan_left=self.plan_left if c.dynamic else None,
             target=c.target,
+            pricing=self.pricing(contributions),
         )
         steps = self._emit(decision)
         if decision.assigned:
             start, stop = self._dealt_slice(decision.assigned)
             self.queue.update(dict.fromkeys(c.plan[start:stop]))
+            if self._slices:
+                at = self.cursor
+                for r, n in enumerate(decision.assigned):
+                    if n:
+                        self._slices[r].append((at, at + n))
+                    at += n
             self.cursor += sum(decision.assigned)
         self.round += 1
         self._contribution = None
@@ -581,6 +603,7 @@ class RankMachine:
             tuple(self.queue),
             self.cursor,
             self.formed,
+            tuple(tuple(s) for s in self._slices),
         )
 
     @classmethod
@@ -598,6 +621,8 @@ class RankMachine:
         m.queue = dict.fromkeys(snap.queue)
         m.cursor = snap.cursor
         m.formed = snap.formed
+        if snap.slices:
+            m._slices = [list(s) for s in snap.slices]
         return m
 
     # ---- internals -----------------------------------------------------
@@ -628,6 +653,37 @@ class RankMachine:
             held,
             held_work,
         )
+
+    def pricing(self, contributions: Sequence[Contribution]) -> Pricing | None:
+        """What the cost table says of this round's deal (None without a table): each
+        rank's unread ids, the last `unread` of the ids dealt to it (a rank reads its
+        ids in dealt order; were it not to, only the balance would suffer), and the
+        plan ids after the cursor. Agreed state only."""
+        table = self.config.cost_table
+        if table is None or not self.config.dynamic:
+            return None
+        plan = self.config.plan
+        known, unseen = table.plan_prefix(plan)
+        unread: list[tuple[int, int]] = []
+        for r, c in enumerate(contributions):
+            left, k, u = c.unread, 0, 0
+            slices = self._slices[r]
+            for a, b in reversed(slices):
+                if left <= 0:
+                    break
+                a = max(a, b - left)
+                k += known[b] - known[a]
+                u += unseen[b] - unseen[a]
+                left -= b - a
+            unread.append((k, u))
+        cursor = self.cursor
+        seen = len(plan) - unseen[-1]
+        mean = max(1, known[-1] // seen) if seen else 1
+
+        def upcoming(i: int) -> int | None:
+            return table.price(plan[cursor + i])
+
+        return Pricing(tuple(unread), upcoming, mean)
 
     def _dealt_slice(self, assigned: tuple[int, ...]) -> tuple[int, int]:
         """Plan positions [start, stop) this rank loads from a round's deal: its

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from odb_core.config import (
     make_cost_model,
 )
 from odb_core.cost import BatchStats, Budget, CostKind, CostModel
+from odb_core.cost_table import CostTable, record
 from odb_core.errors import ConfigError, ODBPeerError
 from odb_core.formers import FormerKind
 from odb_core.protocol import (
@@ -140,16 +141,28 @@ class SimConfig:
     peer_timeout_s: float = 60.0
     faults: Faults = field(default_factory=Faults)
     tail_window: int = 12
-    sharding: Sharding = Sharding.STATIC
+    sharding: Sharding | None = None
+    """odb's sharding; None: dynamic, as the loader's default, but static with
+    `early_form` (static-only) or the padded cost (a deal target below the window
+    pads more), as in the loader."""
     early_form: int | None = None
     """odb (join mode): `ProtocolConfig.early_form`, the least partial window a rank
     forms early; None: off."""
+    epochs: int = 1
+    """Epochs run in a row; from the second on, odb's deals are priced by the costs
+    its ranks observed in the one before (`odb_core.cost_table`), and every sample's
+    cost varies from epoch to epoch by `epoch_noise` (augmentation)."""
+    epoch_noise: float = 0.1
+    cost_table: bool = True
+    """From the second epoch, price odb's deals by the costs learned in the one
+    before; False: at the mean, as in the first (the control of the table's gain)."""
+    """The relative spread (log-normal sigma) of a sample's cost between epochs."""
     early_form_wait_s: float = 0.25
     """A rank forms early only if its next sample is not there yet and the rest of
     its window would take longer than this to preprocess."""
 
     def __post_init__(self) -> None:
-        for name in ("ranks", "buffer_size", "max_steps_per_round", "num_workers"):
+        for name in ("ranks", "buffer_size", "max_steps_per_round", "num_workers", "epochs"):
             _positive(name, getattr(self, name))
         _positive("prefetch_factor", self.prefetch_factor)
         _positive("bmt_bucket", self.bmt_bucket)
@@ -163,6 +176,8 @@ class SimConfig:
             _positive("early_form", self.early_form)
         if not (math.isfinite(self.early_form_wait_s) and self.early_form_wait_s >= 0):
             raise ConfigError(f"early form wait {self.early_form_wait_s!r} must be >= 0 seconds")
+        if not (math.isfinite(self.epoch_noise) and self.epoch_noise >= 0):
+            raise ConfigError(f"epoch noise {self.epoch_noise!r} must be >= 0")
         if not (math.isfinite(self.peer_timeout_s) and self.peer_timeout_s > 0):
             raise ConfigError(f"peer timeout {self.peer_timeout_s!r} must be > 0")
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -180,7 +195,11 @@ class SimConfig:
             )
         object.__setattr__(self, "cost", cost)
         object.__setattr__(self, "former", coerce_enum(FormerKind, "former", self.former))
-        object.__setattr__(self, "sharding", coerce_enum(Sharding, "sharding", self.sharding))
+        sharding = self.sharding
+        if sharding is None:  # the loader's default (odb_core.torch.options)
+            static = self.early_form is not None or cost is CostKind.PADDED
+            sharding = Sharding.STATIC if static else Sharding.DYNAMIC
+        object.__setattr__(self, "sharding", coerce_enum(Sharding, "sharding", sharding))
         if not isinstance(self.oversize, OversizePolicy):
             object.__setattr__(self, "oversize", OversizePolicy(self.oversize))
         self.faults.validate(self.ranks)
@@ -226,6 +245,12 @@ class SimConfig:
     def padded_collation(self) -> bool:
         return self.cost is CostKind.PADDED
 
+    @property
+    def sharding_in_force(self) -> Sharding:
+        """`sharding` as resolved by `__post_init__` (never None after it)."""
+        assert self.sharding is not None
+        return self.sharding
+
     def describe(self) -> dict[str, Any]:
         return {
             "workload": self.workload.name,
@@ -238,7 +263,7 @@ class SimConfig:
             "cost_model": self.cost.value,
             "buffer_size": self.buffer_size,
             "former": self.former.value,
-            "sharding": self.sharding.value,
+            "sharding": self.sharding_in_force.value,
             "max_steps_per_round": self.max_steps_per_round,
             "quota": self.quota,
             "oversize": self.oversize.value,
@@ -267,14 +292,22 @@ Progress = Callable[[int], None]
 class _Run:
     """State shared by the strategy runners of one simulation."""
 
-    def __init__(self, cfg: SimConfig, progress: Progress | None) -> None:
+    def __init__(
+        self,
+        cfg: SimConfig,
+        progress: Progress | None,
+        epoch: int = 0,
+        cost_table: CostTable | None = None,
+    ) -> None:
         self.cfg = cfg
         self.cols = Columns(cfg.workload)
         self.world = cfg.ranks
         self.progress = progress
         self.budget = cfg.token_budget
         self.model = cfg.cost_model()
-        rng = np.random.default_rng([cfg.seed, 1])
+        self.cost_table = cost_table  # odb: the deal's prices (learned last epoch)
+        self.learned: CostTable | None = None  # odb: the table this epoch observed
+        rng = np.random.default_rng([cfg.seed, 1] if epoch == 0 else [cfg.seed, 1, epoch])
         self.perm: list[int] = rng.permutation(self.cols.n).tolist()
         pad_len = min(self.cols.length)
         self.pad_slot = Slot((), 0, pad_len, pad_len * pad_len, pad_len, 0.0, True)
@@ -473,8 +506,9 @@ class _Run:
             oversize=cfg.oversize,
             max_steps_per_round=cfg.max_steps_per_round,
             quota=cfg.quota if mode is Mode.QUOTA else None,
-            sharding=cfg.sharding,
-            plan=tuple(self.perm) if cfg.sharding is Sharding.DYNAMIC else (),
+            sharding=cfg.sharding_in_force,
+            plan=tuple(self.perm) if cfg.sharding_in_force is Sharding.DYNAMIC else (),
+            cost_table=self.cost_table if cfg.sharding_in_force is Sharding.DYNAMIC else None,
             early_form=cfg.early_form if mode is Mode.JOIN else None,
         )
         dynamic = protocol.dynamic
@@ -612,6 +646,13 @@ class _Run:
             for r in range(w):
                 carried.update(sources[r].remaining_ids())
             carried.update(machines[0].unassigned)
+        if dynamic:
+            # The epoch's close: every rank's observed costs, exchanged as one byte per
+            # id and combined by a bytewise maximum (the loader's all-reduce).
+            # (Each id was observed by one rank, so the combined table is the record of
+            # every rank's observations together: `combine` of the per-rank ones.)
+            observed = {i: c for m in machines for i, c in m.observed.items()}
+            self.learned = CostTable(bytes(record(observed, cols.n)))
         self.events += observe_events
         out = tr.metrics()
         samples_per_rank = [len(s) for s in shards]
@@ -729,13 +770,77 @@ class _Run:
         }
 
 
+def augmented(workload: Workload, noise: float, rng: np.random.Generator) -> Workload:
+    """The workload as the next epoch sees it: every sample's tokens and preprocessing
+    time scaled by one log-normal factor (sigma `noise`), as augmentation (random
+    crops and resizes, template choices) would; the cached lengths stay as they were."""
+    f = np.exp(rng.normal(0.0, noise, workload.n)) if noise > 0 else np.ones(workload.n)
+    text = np.maximum(1, np.rint(workload.text * f)).astype(workload.text.dtype)
+    visual = np.rint(workload.visual * f).astype(workload.visual.dtype)
+    return replace(workload, text=text, visual=visual, prep_s=workload.prep_s * f)
+
+
+def table_exchange_s(cfg: SimConfig, ids: int) -> float:
+    """The epoch close's exchange of the cost table: a ring all-reduce (MAX) of one
+    byte per id on the gloo group, the loader's transport."""
+    w, net = cfg.ranks, cfg.hardware.network
+    if w <= 1:
+        return 0.0
+    alpha = net.gloo_alpha_internode_s if net.nodes > 1 else net.gloo_alpha_s
+    return 2 * (w - 1) * alpha + 2 * (w - 1) / w * ids / net.gloo_beta
+
+
 def simulate(cfg: SimConfig, progress: Progress | None = None) -> dict[str, Any]:
-    """Run every selected strategy on the same workload; returns plain data."""
+    """Run every selected strategy on the same workload, for `cfg.epochs` epochs;
+    returns plain data of the last epoch, with every epoch's in `epochs` when there
+    are several."""
+    if cfg.epochs == 1:
+        return _simulate_epoch(cfg, progress, 0, {})
+    tables: dict[str, CostTable | None] = {}
+    learned: dict[str, CostTable | None] = {}
+    workload, epochs = cfg.workload, []
+    out: dict[str, Any] = {}
+    for e in range(cfg.epochs):
+        if e > 0:
+            workload = augmented(workload, cfg.epoch_noise, np.random.default_rng([cfg.seed, 9, e]))
+        out = _simulate_epoch(replace(cfg, workload=workload), progress, e, tables)
+        epochs.append(
+            {
+                "epoch": e,
+                "priced": {k: v is not None for k, v in out.pop("priced").items()},
+                "samples_per_s": {k: m["samples_per_s"] for k, m in out["strategies"].items()},
+                "tail_steps": {k: m["tail_steps"] for k, m in out["strategies"].items()},
+                "ratios": out["ratios"],
+                "ok": out["ok"],
+            }
+        )
+        learned = out.pop("learned")
+        tables = learned if cfg.cost_table else {}
+    seen = next((t for t in learned.values() if t is not None), None)
+    out["epochs"] = epochs
+    out["ok"] = all(e["ok"] for e in epochs)
+    if seen is not None:
+        out["cost_table"] = {
+            "ids": len(seen),
+            "bytes": len(seen.codes),
+            "seen": seen.seen,
+            "exchange_s": round(table_exchange_s(cfg, len(seen)), 6),
+        }
+    return out
+
+
+def _simulate_epoch(
+    cfg: SimConfig,
+    progress: Progress | None,
+    epoch: int,
+    tables: dict[str, CostTable | None],
+) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     perf: dict[str, Any] = {}
     skipped: dict[str, str] = {}
+    learned: dict[str, CostTable | None] = {}
     for name in cfg.strategies:
-        run = _Run(cfg, progress)
+        run = _Run(cfg, progress, epoch, tables.get(name))
         t0 = time.perf_counter()
         if name == "odb-ref":
             from simulator import odb_ref
@@ -762,6 +867,7 @@ def simulate(cfg: SimConfig, progress: Progress | None = None) -> dict[str, Any]
         else:
             res = run.odb(cfg.former, Mode.QUOTA)
         elapsed = time.perf_counter() - t0
+        learned[name] = run.learned
         m = res["metrics"]
         results[name] = m
         perf[name] = {
@@ -778,6 +884,7 @@ def simulate(cfg: SimConfig, progress: Progress | None = None) -> dict[str, Any]
         "ratios": ratios(results),
         "perf": perf,
         "ok": all(not r.get("violations") for r in results.values()),
+        **({"learned": learned, "priced": dict(tables)} if cfg.epochs > 1 else {}),
     }
 
 

@@ -50,7 +50,8 @@ def format_run(run: dict[str, Any]) -> str:
         f"odb simulate: {c['workload']} ({wl['samples']:,} samples, mean {wl['mean_tokens']:,.0f} "
         f"tokens, CV {wl['cv']}), {c['ranks']} ranks on {c['nodes']} node(s), "
         f"{run['hardware']['accelerator']['name']}, budget {c['budget_tokens']:,} tokens "
-        f"({c['cost_model']}), standard batch size {c['standard_batch_size']}",
+        f"({c['cost_model']}), standard batch size {c['standard_batch_size']}, odb "
+        f"sharding {c['sharding']}",
         f"{'strategy':<16} " + " ".join(f"{h:>{w}}" for h, w, _, _ in _COLUMNS),
     ]
     for name, m in run["strategies"].items():
@@ -76,6 +77,13 @@ def format_run(run: dict[str, Any]) -> str:
         lines.append(
             f"  odb: {odb['rounds']} rounds (bound {odb['rounds_bound']}), {odb['steps']} steps "
             f"(bound {odb['steps_bound']}), {odb['wall_s']:,.1f}s simulated"
+        )
+    for e in run.get("epochs", []):
+        vs = e["ratios"].get("odb", {}).get("vs_gmt")
+        lines.append(
+            f"  epoch {e['epoch'] + 1}: odb {e['samples_per_s'].get('odb')} samples/s, "
+            f"odb/gmt {vs}, tail {e['tail_steps'].get('odb')} steps"
+            + (", deals priced by the learned cost table" if e["priced"].get("odb") else "")
         )
     perf = run.get("perf", {})
     if "odb" in perf:

@@ -31,6 +31,7 @@ import pytest
 PROCS = frozenset(
     {
         "test_construction_peer_loss",
+        "test_cost_table_loader",
         "test_cross_rank_ids",
         "test_demo_under_load",
         "test_faults",

@@ -58,6 +58,9 @@ KW: dict[str, Any] = {
     "quota": QUOTA,
     "shuffle": True,
     "collate_fn": collate,
+    # Per-rank states and the re-deal of a carry over fixed shards: static sharding
+    # (dynamic quota resumes: tests/test_quota_dynamic.py).
+    "sharding": "static",
 }
 
 

@@ -66,6 +66,9 @@ KW: dict[str, Any] = {
     "seed": 5,
     "collate_fn": collate,
     "prefetch_thread": False,
+    # The tampered states are per-rank ones, which resume under static sharding (a
+    # dynamic loader takes only merged ones: tests/test_torch_dynamic.py).
+    "sharding": "static",
 }
 
 
@@ -313,6 +316,7 @@ def _gloo_loader(**kw: Any) -> ODBDataLoader:
         max_steps_per_round=4,
         collate_fn=collate,
         peer_timeout=30,
+        sharding="static",  # per-rank states (above)
         **kw,
     )
 

@@ -477,7 +477,10 @@ def test_dynamic_sharding_is_no_slower_where_the_plan_is_a_few_windows_per_rank(
 
 
 def test_early_forms_keep_every_guarantee_and_cut_the_first_fill() -> None:
-    base = cfg("llava", 3000, 4, strategies=("odb",), cost="padded", buffer_size=1024)
+    # Early forms are static-only: both runs static, the same but for them.
+    base = cfg(
+        "llava", 3000, 4, strategies=("odb",), cost="padded", buffer_size=1024, sharding="static"
+    )
     early = SimConfig(**{**base.__dict__, "early_form": 128})
     a, b = simulate(base), simulate(early)
     assert b["config"]["early_form"] == 128 and "early_form" not in a["config"]
@@ -511,3 +514,26 @@ def test_fuzzed_schedules_with_early_forms_keep_every_guarantee() -> None:
         o = run_schedule(sched)
         assert o.ok, (sched.seed, o.violations)
         assert o.steps <= o.steps_bound
+
+
+def test_a_second_epoch_is_priced_by_the_costs_the_first_observed() -> None:
+    """--epochs 2: epoch 2 runs on augmented costs, its deals priced by the table
+    epoch 1 learned (every id seen); every guarantee holds in both epochs, and the
+    control (--no-cost-table) runs the same data priced at the mean."""
+    base = cfg("mmmix", 3000, 32, nodes=4, strategies=("gmt", "odb"), epochs=2)
+    out = simulate(base)
+    control = simulate(SimConfig(**{**base.__dict__, "cost_table": False}))
+    assert out["config"]["sharding"] == "dynamic"  # the default
+    assert [e["priced"].get("odb", False) for e in out["epochs"]] == [False, True]
+    assert not any(e["priced"].get("odb", False) for e in control["epochs"])
+    assert out["cost_table"]["ids"] == out["cost_table"]["seen"] == 3000
+    for run in (out, control):
+        m = run["strategies"]["odb"]
+        assert run["ok"] and m["lost_ids"] == m["duplicated_ids"] == 0
+        assert m["emitted_samples"] == 3000
+    # Epoch 1 is the single-epoch run; epoch 2's data are the same in both runs.
+    single = simulate(SimConfig(**{**base.__dict__, "epochs": 1}))
+    assert out["epochs"][0]["samples_per_s"] == control["epochs"][0]["samples_per_s"]
+    assert out["epochs"][0]["samples_per_s"]["odb"] == single["strategies"]["odb"]["samples_per_s"]
+    assert out["epochs"][1]["samples_per_s"]["gmt"] == control["epochs"][1]["samples_per_s"]["gmt"]
+    assert out["epochs"][1]["samples_per_s"]["odb"] != control["epochs"][1]["samples_per_s"]["odb"]

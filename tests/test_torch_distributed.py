@@ -369,7 +369,14 @@ def resume_spec(seed: int, state_dir: Path) -> dict[str, Any]:
         "state_dir": str(state_dir),
         "delay": 0.001,
         "stop_at": rng.randrange(1, 8),
-        "loader": {"num_workers": 1, "multiprocessing_context": "fork", "shuffle": True},
+        # Each rank resumes its own state at the same world size: static sharding (a
+        # dynamic run resumes merged states: tests/test_torch_dynamic.py).
+        "loader": {
+            "num_workers": 1,
+            "multiprocessing_context": "fork",
+            "shuffle": True,
+            "sharding": "static",
+        },
     }
 
 
@@ -546,7 +553,7 @@ def test_resume_at_a_random_step_same_and_other_world_size(
     assert_exactly_once(before + after_same, list(range(n)))
     assert [r["after"][0][0] for r in a] == [spec_a["stop_at"]] * 2, "steps do not continue"
 
-    spec_b = {**common, "loader": {"num_workers": 0, "shuffle": True}}
+    spec_b = {**common, "loader": {"num_workers": 0, "shuffle": True, "sharding": "static"}}
     b = ok_results(launch("run_resume_phase_b", 3, spec_b, tmp_path / "b"))
     after_other = check_aligned([r["after"] for r in b], 3)
     assert_exactly_once(before + after_other, list(range(n)))

@@ -357,7 +357,8 @@ def test_quota_mode_closes_early_and_reports_the_ledger() -> None:
 
 
 def test_quota_mode_carries_the_ledger_into_the_next_epochs() -> None:
-    dl = loader(Text(100), mode="quota", quota=70, shuffle=True)
+    # Static: the ledger heads this rank's fixed shard (the sampler's indices).
+    dl = loader(Text(100), mode="quota", quota=70, shuffle=True, sharding="static")
     carried: list[int] = []
     for epoch in range(4):
         dl.set_epoch(epoch)

@@ -166,6 +166,7 @@ def test_a_worker_out_of_shared_memory_names_the_loader_its_bytes_and_the_settin
         num_workers=1,
         multiprocessing_context="fork",
         samples_per_fetch=FETCH,
+        sharding="static",  # the default bound applies under static sharding
     )
     with pytest.raises(SharedMemoryError) as info:
         for _ in loader:
@@ -201,9 +202,11 @@ def test_tensor_bytes_counts_nested_tensors_and_arrays() -> None:
 @pytest.mark.parametrize(
     ("kw", "bound"),
     [
-        ({}, DEFAULT_WINDOW_BYTES),
+        ({"sharding": "static"}, DEFAULT_WINDOW_BYTES),
+        ({"partition": False}, DEFAULT_WINDOW_BYTES),  # static by default there
+        ({}, None),  # dynamic by default: no byte bound (join mode and static only)
         ({"window_bytes": 0}, None),
-        ({"window_bytes": 123}, 123),
+        ({"window_bytes": 123}, 123),  # a bound given: static by default
         ({"mode": "quota"}, None),
         ({"sharding": "dynamic"}, None),
     ],
@@ -211,7 +214,8 @@ def test_tensor_bytes_counts_nested_tensors_and_arrays() -> None:
 def test_the_default_bound_applies_where_the_core_bounds_bytes(
     kw: dict[str, Any], bound: int | None
 ) -> None:
-    assert LoaderOptions.of(token_budget=8, **kw).window_bound() == bound
+    opts = LoaderOptions.of(token_budget=8, **kw)
+    assert opts.window_bound(opts.sharding(iterable=False).sharding) == bound
 
 
 @pytest.mark.parametrize(

@@ -107,9 +107,32 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--sharding",
         choices=[k.value for k in Sharding],
-        default=Sharding.STATIC.value,
-        help="odb's sharding: a fixed 1/W shard per rank (static, default) or ids dealt "
-        "each round to the ranks holding the least work (dynamic)",
+        default=None,
+        help="odb's sharding: ids dealt each round to the ranks holding the least work "
+        "(dynamic, the default, as the loader's) or a fixed 1/W shard per rank (static; "
+        "the default with --early-form, which is static-only, and --cost padded)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=positive_int,
+        default=1,
+        help="epochs in a row; from the second on, odb's deals are priced by the costs "
+        "observed in the one before (the learned cost table), and each sample's cost "
+        "varies between epochs by --epoch-noise (default 1)",
+    )
+    p.add_argument(
+        "--epoch-noise",
+        type=_nonneg_float,
+        default=0.1,
+        metavar="SIGMA",
+        help="relative spread (log-normal sigma) of a sample's cost from one epoch to the "
+        "next, as augmentation makes it (default 0.1)",
+    )
+    p.add_argument(
+        "--no-cost-table",
+        action="store_true",
+        help="with --epochs: price every epoch's deals at the mean, as the first (the "
+        "control of the learned table's gain)",
     )
     p.add_argument("--quota", type=positive_int, default=None, help="odb-quota global quota")
     p.add_argument(
@@ -289,9 +312,12 @@ def build_configs(args: argparse.Namespace) -> list[Any]:
                     peer_timeout_s=args.peer_timeout,
                     faults=faults,
                     tail_window=args.tail_window,
-                    sharding=Sharding(args.sharding),
+                    sharding=None if args.sharding is None else Sharding(args.sharding),
                     early_form=args.early_form,
                     early_form_wait_s=args.early_form_wait,
+                    epochs=args.epochs,
+                    epoch_noise=args.epoch_noise,
+                    cost_table=not args.no_cost_table,
                 )
             )
     return configs

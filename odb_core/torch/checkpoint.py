@@ -107,9 +107,12 @@ def states_of(entry: Any) -> list[Mapping[str, Any]]:
 
 def load_states(loader: ODBDataLoader, entry: Any) -> None:
     """Resume `loader` from `gather_states`' entry: this rank's state at the same world
-    size, the merge of every rank's at another (checked before it is applied)."""
+    size under static sharding or on one rank, else the merge of every rank's (at
+    another world size, and under dynamic sharding, which resumes only merged);
+    checked before it is applied."""
     states = states_of(entry)
-    if len(states) == loader.world_size:
+    own = not loader.config.dynamic or loader.world_size == 1
+    if len(states) == loader.world_size and own:
         loader.load_state_dict(states[loader.rank])
     else:
         loader.load_state_dict(states)

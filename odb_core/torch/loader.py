@@ -60,6 +60,7 @@ from odb_core.config import (
     make_cost_model,
 )
 from odb_core.cost import Budget, CostKind, CostModel
+from odb_core.cost_table import CostTable
 from odb_core.epoch import EpochTracker
 from odb_core.errors import ConfigError, EpochFinishedError, ODBError, ResumeStateError
 from odb_core.estimate import StepsEstimate
@@ -82,7 +83,7 @@ from odb_core.torch.length import EpochLength, shard_sizes
 from odb_core.torch.lookahead import LookAhead
 from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, TruncateFn, measure
 from odb_core.torch.meta import scaled_loss
-from odb_core.torch.options import LoaderOptions
+from odb_core.torch.options import LoaderOptions, ShardingChoice
 from odb_core.torch.pipeline import (
     Emitted,
     EpochPipeline,
@@ -118,6 +119,8 @@ log = logging.getLogger("odb_core")
 _RESUME_TAG = -2  # marks the resume check's collective (order digests are >= 0)
 # (epoch, length, shuffle, seed), the epoch order, (progress, world, rank) it was
 # checked for, and that rank's remaining ids (see _checked_state).
+# What a loaded state resumes under: config, fingerprint, digest, sharding choice.
+_Identity = tuple[ProtocolConfig, dict[str, Any], int, ShardingChoice]
 _LoadedOrder = tuple[
     tuple[int, int, bool, int], Sequence[int], tuple[EpochProgress, int, int], list[int] | None
 ]
@@ -178,7 +181,10 @@ class ODBDataLoader:
     (False: yield exactly collate_fn's output, without the `odb_step` key),
     `sharding` ('static' | 'dynamic': the core deals the epoch's indices each round
     to the ranks holding the least work; map-style, join or quota mode (the ledger
-    is dealt first in the next pass), resumed from the merged state of every rank),
+    is dealt first in the next pass), resumed from the merged state of every rank,
+    from the second epoch on priced by the costs the ranks observed (`cost_table`);
+    unset: dynamic for a sized map-style dataset on more than one rank, static where
+    dynamic cannot serve or an option needs static; `describe()` says which and why),
     `early_form` / `early_form_wait` (opt-in, join mode
     and static sharding: a rank whose training loop has no step waiting, whose next
     sample is not there yet, and whose window would take more than
@@ -188,7 +194,8 @@ class ODBDataLoader:
     your dataset on it when num_workers=0. Batch composition then depends on
     when samples arrive: every sample is still emitted exactly once and every rank
     runs the same steps, but a run is not reproducible batch for batch, so it
-    excludes deterministic=True), `window_bytes` (join mode and static sharding:
+    excludes deterministic=True), `window_bytes` (join mode and static sharding;
+    given, it makes the default sharding static:
     a bound on the tensor bytes of the preprocessed samples a rank holds in its
     window and formed batches; a window that reaches it emits its fullest batch
     before it takes another sample; default `DEFAULT_WINDOW_BYTES`, 1 GiB, which
@@ -197,6 +204,7 @@ class ODBDataLoader:
     """
 
     _odb_seq = 0  # which loader of this process (set by _announce_failure)
+    _sharding: ShardingChoice
 
     @_announce_failure
     def __init__(
@@ -237,7 +245,7 @@ class ODBDataLoader:
         trace_dir: str | Path | None = None,
         samples_per_fetch: int = 8,
         prefetch_thread: bool = True,
-        sharding: Sharding | str = Sharding.STATIC,
+        sharding: Sharding | str | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
         timeout: float = 0,
@@ -261,6 +269,7 @@ class ODBDataLoader:
         self.transport: Transport = self._make_transport(peer_timeout)
         self.rank = self.transport.rank
         self.world_size = self.transport.world_size
+        self._sharding = self.options.sharding(iterable=iterable, world=self.world_size)
         if isinstance(cost_model, (str, CostKind)):
             cost_model = make_cost_model(cost_model)
         self.config = ProtocolConfig(
@@ -277,9 +286,9 @@ class ODBDataLoader:
             loss_normalization=loss_normalization,  # type: ignore[arg-type]
             grad_accum_steps=grad_accum_steps,
             tokens_per_update=tokens_per_update,
-            sharding=sharding,  # type: ignore[arg-type]
+            sharding=self._sharding.sharding,
             early_form=early_form,
-            window_bytes=self.options.window_bound(),
+            window_bytes=self.options.window_bound(self._sharding.sharding),
         )
         if self.config.dynamic and (iterable or id_fn is not None or not partition):
             raise ConfigError(
@@ -320,6 +329,11 @@ class ODBDataLoader:
         self._pin = self._make_pin(pin_memory, pin_memory_device)
         self._index_sampler: IndexChunks | None = None
         self._plan: tuple[int, ...] = ()  # dynamic sharding: this epoch's plan
+        # Dynamic sharding: the costs observed in the last closed epoch, which price
+        # the next deals (odb_core.cost_table); None: priced at the mean.
+        self._cost_table: CostTable | None = None
+        # What the current epoch's close learned: in force from the next epoch on.
+        self._learned: CostTable | None = None
         self._guard = WorkerGuard(worker_init_fn)
         if iterable:
             source: Any = IterSource(
@@ -342,22 +356,8 @@ class ODBDataLoader:
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
         )
-        self._fingerprint = fingerprint(
-            dataset,
-            self.config,
-            kind="iterable" if iterable else "map",
-            length=None if iterable else len(dataset),
-            seed=seed,
-            shuffle=shuffle,
-            partition=partition,
-            sampler=sampler,
-        )
-        self._fingerprint["id_fn"] = id_fn is not None
-        self._fingerprint["loss_tokens_fn"] = loss_tokens_fn is not None
-        self._fingerprint["label_shift"] = label_shift
-        self._fingerprint["ignore_index"] = ignore_index
+        self._fingerprint, self._digest = self._identity_of(self.config)
         digest_src = json.dumps(self._fingerprint, sort_keys=True, default=str)
-        self._digest = zlib.crc32(digest_src.encode())
         # Every argument is valid here: only now meet the peers (a ConfigError on any
         # rank reaches all of them) and create the gloo group.
         connect = getattr(self.transport, "connect", None)
@@ -396,6 +396,65 @@ class ODBDataLoader:
         self.epoch_stats: EpochStats | None = None  # of the last finished epoch
         self._length = EpochLength(self.config)
         self._reset_progress()
+        if self.rank == 0:
+            d = self.describe()
+            log.info(
+                "odb: sharding=%s (%s); window_bytes=%s (%s)",
+                d["sharding"],
+                d["sharding_reason"],
+                d["window_bytes"],
+                d["window_bytes_reason"],
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """What is in force, as plain data: the protocol config (`ProtocolConfig.
+        describe()`), the sharding and why (`sharding=` given, or the default: dynamic
+        for a sized map-style dataset, static where dynamic cannot serve or an option
+        needs static: `LoaderOptions.sharding`), and the window's byte bound and why
+        (by default only where static sharding is in force, in join mode)."""
+        c, b = self.config, self.options.batch
+        if c.window_bytes is not None:
+            why = "given" if b.window_bytes else "default under join mode and static sharding"
+        elif b.window_bytes == 0:
+            why = "window_bytes=0 given: no bound"
+        else:
+            why = "no bound: join mode and static sharding only"
+        return {
+            **c.describe(),
+            "sharding": c.sharding.value,
+            "sharding_reason": self._sharding.reason,
+            "window_bytes": c.window_bytes,
+            "window_bytes_reason": why,
+            "world_size": self.world_size,
+        }
+
+    def _identity_of(self, config: ProtocolConfig) -> tuple[dict[str, Any], int]:
+        """The fingerprint a state saved under `config` carries, and its digest (the
+        tag of every collective of the loader)."""
+        o, e = self.options, self.options.epoch
+        fp = fingerprint(
+            self.dataset,
+            config,
+            kind="iterable" if self._iterable else "map",
+            length=None if self._iterable else len(self.dataset),
+            seed=e.seed,
+            shuffle=e.shuffle,
+            partition=e.partition,
+            sampler=e.sampler,
+        )
+        fp["id_fn"] = e.id_fn is not None
+        fp["loss_tokens_fn"] = o.loss.loss_tokens_fn is not None
+        fp["label_shift"] = o.loss.label_shift
+        fp["ignore_index"] = o.loss.ignore_index
+        return fp, zlib.crc32(json.dumps(fp, sort_keys=True, default=str).encode())
+
+    def _config_for(self, sharding: Sharding) -> ProtocolConfig:
+        """This loader's config under `sharding` (and the byte bound that goes with it)."""
+        return replace(
+            self.config,
+            sharding=sharding,
+            window_bytes=self.options.window_bound(sharding),
+        )
 
     # ---- DataLoader surface ------------------------------------------------
 
@@ -408,6 +467,8 @@ class ODBDataLoader:
                 self._verify_resume()
             if self._advance:
                 self._next_epoch()
+            if self._learned is not None:  # a closed epoch taught it: the next pass's
+                self._cost_table, self._learned = self._learned, None
             self._iteration += 1
             progress = self._resume if self._resume and self._resume.epoch == self.epoch else None
             self._resume = None
@@ -435,7 +496,7 @@ class ODBDataLoader:
                 config = replace(config, carried=frozenset(self.carried_in))
             shard, order_digest = self._start_source(plan, excluded, step0)
             if config.dynamic:
-                config = replace(config, plan=self._plan)
+                config = replace(config, plan=self._plan, cost_table=self._pricing_table())
             machine_cls = RankMachine if self.trace_dir is None else TracingRankMachine
             trace_path = None
             if self.trace_dir is not None:
@@ -464,9 +525,14 @@ class ODBDataLoader:
                 step_meta=self.step_meta,
                 skip_before=skip_before,
                 replay_ids=replay_ids,
-                restart=self._restart_source if config.dynamic else None,
+                # Not a bound method: the pipeline must not hold the loader (a cycle
+                # only the cyclic GC frees, which keeps a dropped iterator's workers).
+                restart=functools.partial(_restart_source, self._index_sampler, self._inner)
+                if config.dynamic and self._index_sampler is not None
+                else None,
                 early_form_wait=self.early_form_wait if config.early_form else None,
                 fetch=self.options.workers.samples_per_fetch,
+                table_size=len(self.dataset) if config.dynamic else None,
             )
             self._workers_started = self.num_workers > 0
             self._pipeline = EpochPipeline(setup, threaded=self.prefetch_thread)
@@ -679,16 +745,33 @@ class ODBDataLoader:
         replayed from its start on every rank without collating the steps before
         the saved one, so the samples done are read again)."""
         if self._resume is not None:
-            return self._resume.to_dict()
-        return self._tracker.current(**self._identity()).to_dict()
+            return self._with_table(self._resume.to_dict())
+        return self._with_table(self._tracker.current(**self._identity()).to_dict())
 
     def state_after(self, step: int | None) -> dict[str, Any]:
         """`state_dict()` as of step `step` of the current pass, one of the last few
         yielded (None: before the pass's first), for a trainer that prefetches
         batches: a resume from it continues with step `step + 1`."""
         if self._resume is not None:  # loaded, not iterated yet
-            return self._resume.to_dict()
-        return self._tracker.after(step, **self._identity()).to_dict()
+            return self._with_table(self._resume.to_dict())
+        return self._with_table(self._tracker.after(step, **self._identity()).to_dict())
+
+    @property
+    def cost_table(self) -> CostTable | None:
+        """The learned cost table the next deals are priced by (dynamic sharding:
+        what the ranks observed in the last closed epoch, or what a loaded state
+        carried); None: priced at the gathered mean."""
+        return self._learned if self._learned is not None else self._cost_table
+
+    def _with_table(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state with the learned cost table the next deals are priced by (dynamic
+        sharding; absent when there is none: a resume then prices at the mean)."""
+        table = self._cost_table
+        if state.get("closed") and self._learned is not None:
+            table = self._learned  # a closed state resumes with the next epoch
+        if table is not None:
+            state[_TABLE_KEY] = table.to_state()
+        return state
 
     def _identity(self) -> dict[str, Any]:
         return {
@@ -706,7 +789,8 @@ class ODBDataLoader:
         one collective at the first iteration after the load, against what every
         other rank loaded (`ResumeMismatchError` on every rank, the load undone)."""
         try:
-            progress = self._checked_state(state)
+            table = self._checked_table(state)
+            progress, identity = self._checked_state(_without_table(state))
         except ConfigError:
             with self._lock:
                 # Nothing applied; the first iteration still tells the peers.
@@ -720,6 +804,8 @@ class ODBDataLoader:
                 self._unverified = self._snapshot()
             self._refused = False
             self._serial += 1
+            self._set_identity(identity)
+            self._cost_table, self._learned = table, None
             self._resume = progress
             self._carry = progress.carry
             self.epoch = progress.epoch
@@ -732,7 +818,7 @@ class ODBDataLoader:
 
     def _checked_state(
         self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]
-    ) -> EpochProgress:
+    ) -> tuple[EpochProgress, _Identity]:
         if isinstance(state, Mapping):
             progress = EpochProgress.from_dict(state)
         elif isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
@@ -741,15 +827,31 @@ class ODBDataLoader:
             raise ResumeStateError(
                 f"load_state_dict expects a state dict or a list of them, got {state!r}"
             )
-        diff = fingerprint_mismatch(self._fingerprint, progress.fingerprint)
-        if diff:
+        identity = self._identity_for(progress)
+        config = identity[0]
+        # One rank's state of a one-rank run is the whole run's.
+        if config.dynamic and not progress.is_global and progress.world_size != 1:
             raise ResumeStateError(
-                "loader state is from another dataset or config: " + "; ".join(diff)
+                f"this loader deals ids by dynamic sharding ({identity[3].reason}), which "
+                f"resumes from every rank's state, merged (load_state_dict([s0, s1, ...]), "
+                f"or gather_states/load_states), not rank {progress.rank}'s alone: its done "
+                "ids are not the run's; pass sharding='static' to resume each rank from its own"
+            )
+        diff = fingerprint_mismatch(identity[1], progress.fingerprint)
+        if diff:
+            hint = ""
+            if any(d.startswith("protocol.sharding:") for d in diff):
+                hint = (
+                    " (sharding: the state was saved under another sharding; pass the "
+                    "saved run's sharding= to resume it)"
+                )
+            raise ResumeStateError(
+                "loader state is from another dataset or config: " + "; ".join(diff) + hint
             )
         length = None if self._iterable else len(self.dataset)
         target = resume_target(
             progress,
-            self.config,
+            config,
             rank=self.rank,
             length=length,
             id_fn=self.id_fn is not None,
@@ -763,10 +865,61 @@ class ODBDataLoader:
             key = (progress.epoch, length, self.shuffle, self.seed)
             checked = (progress, self.world_size, self.rank)
             self._loaded_order = (key, target.order, checked, remaining)
-        return progress
+        return progress, identity
+
+    def _checked_table(
+        self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> CostTable | None:
+        """The cost table a state (or every rank's, which must agree) carries, checked
+        (`CostTable.from_state`: shape, size = the dataset's length, checksum); None
+        when absent."""
+        states = [state] if isinstance(state, Mapping) else list(state)
+        size = None if self._iterable else len(self.dataset)
+        tables = [
+            None
+            if not isinstance(s, Mapping) or _TABLE_KEY not in s
+            else CostTable.from_state(s[_TABLE_KEY], size)
+            for s in states
+        ]
+        if any(t != tables[0] for t in tables[1:]):
+            raise ResumeStateError(
+                "loader state field cost_table differs between the ranks' states: every "
+                "rank prices the deals by the same table"
+            )
+        return tables[0] if tables else None
+
+    def _identity_for(self, progress: EpochProgress) -> _Identity:
+        """The config, fingerprint, digest and sharding choice this loader resumes
+        `progress` under. When the default chose the sharding, a state saved under
+        the other one resumes under its own where it can: a static state (whose
+        fingerprint has no `protocol.sharding`: every state of a run before dynamic
+        became the default) under static, since its done ids are per-rank shards
+        that only static resumes; a dynamic state under dynamic where only the one
+        rank made the default static. A `sharding=` given, or a default that chose
+        static for a reason dynamic cannot serve, is kept: a mismatch is then a
+        fingerprint error naming `protocol.sharding`."""
+        here = self._sharding
+        saved = progress.fingerprint.get("protocol.sharding", Sharding.STATIC.value)
+        if here.given or saved == here.sharding.value:
+            return (self.config, self._fingerprint, self._digest, here)
+        if saved == Sharding.STATIC.value:
+            adopt = Sharding.STATIC
+        elif saved == Sharding.DYNAMIC.value and here.only_one_rank:
+            adopt = Sharding.DYNAMIC
+        else:
+            return (self.config, self._fingerprint, self._digest, here)
+        config = self._config_for(adopt)
+        fp, digest = self._identity_of(config)
+        why = f"default; {adopt.value}: resumed from a state saved under {adopt.value}"
+        return (config, fp, digest, ShardingChoice(adopt, why, False))
+
+    def _set_identity(self, identity: _Identity) -> None:
+        self.config, self._fingerprint, self._digest, self._sharding = identity
+        self._length.config = self.config
 
     def _snapshot(self) -> tuple[Any, ...]:
-        return (self._resume, self._carry, self.epoch, self._advance)
+        identity = (self.config, self._fingerprint, self._digest, self._sharding)
+        return (self._resume, self._carry, self.epoch, self._advance, identity)
 
     def _verify_resume(self) -> None:
         """The first iteration after a load: one collective in which every rank checks
@@ -783,7 +936,8 @@ class ODBDataLoader:
             )
             check_claims(rows, self.rank)
         except BaseException:
-            self._resume, self._carry, self.epoch, self._advance = snapshot
+            self._resume, self._carry, self.epoch, self._advance, identity = snapshot
+            self._set_identity(identity)
             raise
         finally:
             self._refused = False
@@ -809,6 +963,8 @@ class ODBDataLoader:
         self._tracker.record(info, last_of_epoch=item.last_of_epoch)
         self.step_info = info
         if item.last_of_epoch:
+            if item.cost_table is not None:
+                self._learned = item.cost_table
             self._length.record(self.epoch, info.step + 1)
             self._advance = self._advance or serial == self._serial
             self._close_with(item.ledger)
@@ -817,6 +973,8 @@ class ODBDataLoader:
         if self._tracker.close():
             self._length.record(self.epoch, self._tracker.position.step)  # it ran no step
         self._advance = self._advance or serial == self._serial
+        if end.cost_table is not None:
+            self._learned = end.cost_table
         self._close_with(end.ledger)
         self.epoch_stats = end.stats
 
@@ -914,11 +1072,7 @@ class ODBDataLoader:
         """Dynamic sharding: the epoch's plan is what is left of the order (the same
         on every rank); this rank's source starts on its initial share and the core
         deals it the rest (`_restart_source`)."""
-        if progress is not None and not progress.is_global:
-            raise ResumeStateError(
-                "sharding='dynamic' resumes from the merged state of every rank "
-                "(merge_states), whose done ids are the same on every rank"
-            )
+        assert progress is None or progress.is_global or progress.world_size == 1
         # Quota mode: the last pass's ledger comes first, dealt (and formed) first.
         carried = ledger_ids(self._carry)
         taken = set(carried)
@@ -928,20 +1082,27 @@ class ODBDataLoader:
         shard = list(self._plan[start:stop])
         assert self._index_sampler is not None
         self._index_sampler.indices = shard
-        flat = [*head, *order, -1, *sorted(excluded), -1, *carried]
+        # The table's checksum too: ranks that would price the deals differently (one
+        # loaded a state without the table) fail the first round's tag check.
+        priced = self._pricing_table()
+        table = 0 if priced is None else 1 + zlib.crc32(priced.codes)
+        flat = [*head, *order, -1, *sorted(excluded), -1, *carried, -1, table]
         return shard, zlib.crc32(array.array("q", flat).tobytes())
+
+    def _pricing_table(self) -> CostTable | None:
+        """The table this epoch's deals are priced by: None with `trace_dir` (a traced
+        epoch deals as the spec's mean-priced `Deal`, so its trace replays in the
+        Python model and TLC) or when it does not cover the dataset."""
+        t = self._cost_table
+        if t is None or self.trace_dir is not None or len(t) != len(self.dataset):
+            return None
+        return t
 
     def _source_iterator(self, config: ProtocolConfig) -> Iterator[Any]:
         """The inner loader's iterator; with early forms, read ahead on its own thread
         (torch/lookahead.py) so the protocol loop can see whether a sample is there."""
         inner = iter(self._inner)
         return inner if config.early_form is None else LookAhead(inner)
-
-    def _restart_source(self, ids: list[int]) -> Iterator[Any]:
-        """Dynamic sharding: point the inner loader at ids the core newly dealt."""
-        assert self._index_sampler is not None
-        self._index_sampler.indices = ids
-        return iter(self._inner)
 
     def close(self) -> None:
         """Stop the current iteration's protocol thread and its DataLoader workers,
@@ -1058,6 +1219,32 @@ def _pin(obj: Any) -> Any:
         return type(obj)(_pin(v) for v in obj)
     pin = getattr(obj, "pin_memory", None)
     return pin() if callable(pin) else obj
+
+
+_TABLE_KEY = "cost_table"
+
+
+def _without_table(
+    state: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+) -> Mapping[str, Any] | Sequence[Mapping[str, Any]]:
+    """The state(s) without the cost table, which `EpochProgress` does not hold."""
+
+    def strip(s: Mapping[str, Any]) -> Mapping[str, Any]:
+        if isinstance(s, Mapping) and _TABLE_KEY in s:
+            return {k: v for k, v in s.items() if k != _TABLE_KEY}
+        return s
+
+    if isinstance(state, Mapping):
+        return strip(state)
+    if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+        return [strip(s) for s in state]
+    return state
+
+
+def _restart_source(sampler: IndexChunks, inner: DataLoader[Any], ids: list[int]) -> Iterator[Any]:
+    """Dynamic sharding: point the inner loader at ids the core newly dealt."""
+    sampler.indices = ids
+    return iter(inner)
 
 
 def _pad_fallback(dataset: Any, rank: int) -> Any:

@@ -23,7 +23,14 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler, IterableDataset, Sampler
 
-from odb_core.config import LossNormalization, Mode, OversizePolicy, Sharding, default_buffer_size
+from odb_core.config import (
+    LossNormalization,
+    Mode,
+    OversizePolicy,
+    Sharding,
+    coerce_enum,
+    default_buffer_size,
+)
 from odb_core.cost import CostKind, CostModel
 from odb_core.errors import ConfigError
 from odb_core.formers import FormerKind
@@ -36,18 +43,41 @@ __all__ = [
     "LoaderOptions",
     "LossOptions",
     "OutputOptions",
+    "ShardingChoice",
     "WorkerOptions",
 ]
 
 
 DEFAULT_WINDOW_BYTES = 1 << 30
-"""The window's byte bound when none is given (join mode, static sharding): the
-preprocessed samples a rank holds, in tensor bytes (benchmarks/window_bytes.py,
+"""The window's byte bound when none is given (join mode, static sharding in force):
+the preprocessed samples a rank holds, in tensor bytes (benchmarks/window_bytes.py,
 docs/ADAPTERS.md). Text-only windows stay far below it."""
+
+
+@dataclass(frozen=True)
+class ShardingChoice:
+    """The sharding in force and why (`loader.describe()`, the loader's log line)."""
+
+    sharding: Sharding
+    reason: str
+    given: bool
+    """True: the user passed `sharding=`; False: the default chose it (a state saved
+    under static then resumes under static: `ODBDataLoader.load_state_dict`)."""
+    only_one_rank: bool = False
+    """The default chose static only because the run has one rank (nothing to
+    balance): a state saved under dynamic sharding resumes under dynamic."""
 
 
 def _value(x: Any) -> Any:
     return getattr(x, "value", x)
+
+
+def _padded(model: Any) -> bool:
+    """Whether a `cost_model=` argument is the padded cost (a name, kind or model)."""
+    name = model if isinstance(model, str) else getattr(model, "value", None)
+    if name is None:
+        name = getattr(model, "name", None)
+    return bool(name == CostKind.PADDED.value)
 
 
 def _count(name: str, value: Any, least: int = 0) -> None:
@@ -92,7 +122,7 @@ class EpochOptions:
     sampler: Sampler[Any] | Sequence[int] | None = None
     partition: bool = True
     id_fn: Callable[[Any], object] | None = None
-    sharding: Sharding | str = Sharding.STATIC
+    sharding: Sharding | str | None = None
 
     def __post_init__(self) -> None:
         _count("seed", self.seed)
@@ -225,17 +255,53 @@ class LoaderOptions:
             raise ConfigError(f"unknown ODBDataLoader option(s) {sorted(unknown)}")
         out = cls(peer_timeout=peer_timeout, **groups)
         out._check_early_form()
-        out.window_bound()
+        out.window_bound(out.sharding(iterable=False).sharding)
         return out
 
-    def window_bound(self) -> int | None:
-        """`ProtocolConfig.window_bytes`: `window_bytes=`, or DEFAULT_WINDOW_BYTES
-        when it is None in join mode with static sharding (the core bounds bytes
-        only there); 0 means no bound. A bound given for quota mode or dynamic
-        sharding raises ConfigError."""
+    def sharding(self, *, iterable: bool, world: int = 2) -> ShardingChoice:
+        """The sharding in force: `sharding=` when given; else dynamic wherever it can
+        serve (a sized map-style dataset whose ids are its indices, split by the
+        loader), static where it cannot or where an option needs static: an
+        IterableDataset, `partition=False`, `id_fn=`, `sampler=` (its indices may
+        repeat; a plan lists each id once), `early_form=`, a `window_bytes=` bound
+        (join mode and static sharding only; unset, it applies only where static is
+        in force), `deterministic=True` (its exact resume replays each rank's own
+        state; a dynamic state resumes only merged), the padded cost model (a padded
+        batch pads less the larger its window, 1,024 by default, and the deal target,
+        at most half the split, would cut it: simulated at 64 ranks, odb/gmt 0.92 ->
+        0.83 on ultrachat), or a world of one rank (nothing to balance, and a deal
+        target below the window would only cut windows short)."""
+        e, b = self.epoch, self.batch
+        if e.sharding is not None:
+            given = coerce_enum(Sharding, "sharding", e.sharding)
+            return ShardingChoice(given, f"sharding={given.value!r} given", True)
+        static_because = [
+            (iterable, "an IterableDataset"),
+            (not e.partition, "partition=False"),
+            (e.id_fn is not None, "id_fn= given"),
+            (e.sampler is not None, "sampler= given"),
+            (b.early_form is not None, f"early_form={b.early_form!r} (static only)"),
+            (bool(b.window_bytes), f"window_bytes={b.window_bytes!r} (static only)"),
+            (e.deterministic, "deterministic=True (exact resume from each rank's state)"),
+            (_padded(b.cost_model), "cost_model='padded' (the deal target would cut its window)"),
+        ]
+        why = [text for cond, text in static_because if cond]
+        if why:
+            return ShardingChoice(Sharding.STATIC, "default; static: " + ", ".join(why), False)
+        if world == 1:
+            return ShardingChoice(
+                Sharding.STATIC, "default; static: one rank, nothing to balance", False, True
+            )
+        return ShardingChoice(Sharding.DYNAMIC, "default for a sized map-style dataset", False)
+
+    def window_bound(self, sharding: Sharding) -> int | None:
+        """`ProtocolConfig.window_bytes` under the sharding in force: `window_bytes=`,
+        or DEFAULT_WINDOW_BYTES when it is None in join mode with static sharding
+        (the core bounds bytes only there); 0 means no bound. A bound given for
+        quota mode or dynamic sharding raises ConfigError."""
         given = self.batch.window_bytes
         e = self.epoch
-        other = e.quota_mode or _value(e.sharding) == Sharding.DYNAMIC.value
+        other = e.quota_mode or sharding is Sharding.DYNAMIC
         if given is None:
             return None if other else DEFAULT_WINDOW_BYTES
         if given and other:
@@ -254,7 +320,7 @@ class LoaderOptions:
         if k0 is None:
             return
         e = self.epoch
-        if e.quota_mode or _value(e.sharding) == Sharding.DYNAMIC.value:
+        if e.quota_mode or self.sharding(iterable=False).sharding is Sharding.DYNAMIC:
             raise ConfigError(
                 f"early_form={k0!r} needs mode='join' and sharding='static' (got "
                 f"mode={_value(e.mode)!r}, sharding={_value(e.sharding)!r})"

@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from odb_core.config import Mode, OversizePolicy
+from odb_core.cost_table import CostTable, record
 from odb_core.errors import ConfigError, ODBError, ODBPeerError, SampleError
 from odb_core.identity import check_unique
 from odb_core.ledger import Ledgers, validate_ledgers
@@ -97,6 +98,8 @@ class Emitted(NamedTuple):
     batch: Any
     last_of_epoch: bool
     ledger: Ledgers = ()  # on the last step of the epoch: every rank's ledger
+    # On the last step of a dynamic-sharding epoch: the costs every rank observed.
+    cost_table: CostTable | None = None
 
 
 class _Failure(NamedTuple):
@@ -135,6 +138,7 @@ class EpochStats(NamedTuple):
 class _End(NamedTuple):
     ledger: Ledgers  # every rank's ids not emitted (quota mode), in rank order
     stats: EpochStats
+    cost_table: CostTable | None = None  # what every rank observed (dynamic sharding)
 
 
 @dataclasses.dataclass
@@ -168,6 +172,9 @@ class EpochSetup:
     # early (the source is then a LookAhead); None: off.
     early_form_wait: float | None = None
     fetch: int = 8  # samples per worker round trip (named in the shared-memory error)
+    # Dynamic sharding: the ids of the learned cost table (the dataset's length), which
+    # the ranks exchange at the epoch's close; None: nothing learned.
+    table_size: int | None = None
 
 
 class PadTemplate:
@@ -542,10 +549,11 @@ class EpochPipeline:
                     unemitted = self._ledger(result.carried)
                     self._check_ids(m.round, unemitted)
                     ledger = self._exchange(unemitted, m.round)
+                    table = self._learn()
                     if steps:
-                        steps[-1] = steps[-1]._replace(ledger=ledger)
+                        steps[-1] = steps[-1]._replace(ledger=ledger, cost_table=table)
                     yield from steps
-                    return _End(ledger, self._stats(m.round))
+                    return _End(ledger, self._stats(m.round), table)
                 if self._threaded:
                     yield from steps
                 else:
@@ -788,6 +796,25 @@ class EpochPipeline:
             return validate_ledgers(rows)
         except ConfigError as exc:
             raise ODBPeerError(f"rank {m.rank}: inconsistent ledgers from peers: {exc}") from exc
+
+    def _learn(self) -> CostTable | None:
+        """Dynamic sharding, at the epoch's close (a round every rank reaches): every
+        rank's observed costs as one table, a byte per id, combined by an all-reduce
+        with MAX (odb_core.cost_table). The transport moves the bytes; the codes and
+        their combination are the core's."""
+        m, size = self.s.machine, self.s.table_size
+        if not m.config.dynamic or size is None:
+            return None
+        reduce_max = getattr(self.s.transport, "reduce_max", None)
+        if reduce_max is None:
+            return None  # a transport without it (a test double): mean pricing
+        codes = reduce_max(bytes(record(m.observed, size)), "the cost table's exchange")
+        if len(codes) != size:
+            raise ODBPeerError(
+                f"rank {m.rank}: the cost table's exchange returned {len(codes)} codes for "
+                f"{size} ids"
+            )
+        return CostTable(codes)
 
     def _save_trace(self) -> None:
         m, path = self.s.machine, self.s.trace_path

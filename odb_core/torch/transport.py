@@ -80,6 +80,9 @@ class LocalTransport:
     ) -> list[list[int]]:
         return [list(ids)]
 
+    def reduce_max(self, data: bytes, what: str = "an all-reduce") -> bytes:
+        return bytes(data)
+
 
 class GlooTransport:
     """All-gather on a gloo group of all ranks of the default process group.
@@ -177,6 +180,22 @@ class GlooTransport:
                 )
             rows.append(got[1])
         return rows
+
+    def reduce_max(self, data: bytes, what: str = "an all-reduce") -> bytes:
+        """The bytewise maximum of every rank's `data` (the same length on every
+        rank): one all_reduce of a uint8 tensor on the gloo group, 2(W-1)/W x its
+        length on the wire per rank (a ring), however many ranks."""
+        self.connect()
+        t = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.zeros(0, dtype=torch.uint8)
+        )
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as exc:
+            raise self.peer_error(exc, f"{what} did not complete") from exc
+        return bytes(t.numpy().tobytes())
 
     # ---- failures ----------------------------------------------------------------
 

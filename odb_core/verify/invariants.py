@@ -91,6 +91,11 @@ def _undealt(state: GlobalState, cfg: ModelConfig) -> list[int]:
         gathered = state.inbox[r]
         if gathered is None:
             continue
+        # With a cost table the split is priced: by what rank r's machine prices it
+        # with (its agreed state: the table and the slices dealt so far).
+        pricing = None
+        if p.cost_table is not None:
+            pricing = cfg.machine.restore(r, p, rs).pricing(gathered)
         d = decide_round(
             p.mode,
             p.quota,
@@ -98,6 +103,7 @@ def _undealt(state: GlobalState, cfg: ModelConfig) -> list[int]:
             gathered,
             plan_left=len(p.plan) - rs.cursor,
             target=p.target,
+            pricing=pricing,
         )
         start = rs.cursor + sum(d.assigned[:r])
         out.extend(p.plan[start : start + (d.assigned[r] if d.assigned else 0)])
