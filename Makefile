@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-dev
 
 .PHONY: demo check test slow-tlc lint typecheck unit fast bench mutants extras-check clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -U pip
 	# torch==2.13.0 is pinned: its CPU wheel is local; a range would pull a CUDA build.

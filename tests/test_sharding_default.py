@@ -136,3 +136,46 @@ def test_a_dynamic_run_resumes_from_every_ranks_states_and_refuses_one_alone() -
     one = on_ranks(1, lambda t: RankLoader(t, Skewed(), **KW), _rest(lambda r: states))
     assert one[0].state["sharding"] == "dynamic"
     assert sorted([i for r in first for i in r.ids] + one[0].ids) == list(range(N))
+
+
+def test_a_dynamic_window_past_the_default_byte_bound_warns_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dynamic sharding bounds the window in samples, not bytes: past the default byte
+    bound each rank warns once an epoch, naming the bytes and the settings; static
+    sharding, which bounds bytes, does not warn."""
+    import warnings
+
+    from odb_core.torch import pipeline
+
+    monkeypatch.setattr(pipeline, "DEFAULT_WINDOW_BYTES", 64)
+
+    def body(loader: Any) -> tuple[list[StepInfo], dict[str, Any]]:
+        return [b["_odb"] if isinstance(b, dict) and "_odb" in b else b for b in loader], {}
+
+    for sharding, expected in (("dynamic", 2), ("static", 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            on_ranks(2, lambda t, s=sharding: RankLoader(t, Skewed(), sharding=s, **KW), body)
+        advice = [w for w in caught if "with no byte bound" in str(w.message)]
+        assert len(advice) == expected, (sharding, [str(w.message) for w in advice])
+        for w in advice:
+            assert "window_bytes=" in str(w.message) and "bytes" in str(w.message)
+
+
+def test_the_advice_is_once_and_never_under_a_bound() -> None:
+    import warnings
+
+    from odb_core.torch.held import HeldBytes
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        held = HeldBytes(None, advise_over=100, rank=3)
+        held.arrive(60)
+        assert not caught
+        held.arrive(60)
+        held.arrive(60)
+        bounded = HeldBytes(50, advise_over=100)
+        bounded.arrive(500)
+    assert [str(w.message)[:26] for w in caught] == ["ODBDataLoader rank 3: the "]
+    assert "120 bytes" in str(caught[0].message)

@@ -11,6 +11,7 @@ bounds the window by those counts (`ProtocolConfig.window_bytes`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,8 +38,11 @@ def tensor_bytes(raw: Any) -> int:
 class HeldBytes:
     """The running tally of held samples by id, with peak and mean."""
 
-    def __init__(self, bound: int | None) -> None:
+    def __init__(self, bound: int | None, *, advise_over: int | None = None, rank: int = 0) -> None:
         self.bound = bound
+        # Unbounded in bytes (dynamic sharding): warn once when the tally passes this.
+        self._advise_over = advise_over if bound is None else None
+        self._rank = rank
         self.sizes: dict[int, int] = {}
         self.bytes = 0
         self._peak_bytes = 0
@@ -58,6 +62,9 @@ class HeldBytes:
         self._peak_samples = max(self._peak_samples, held)
         self._sum_bytes += self.bytes
         self._sum_samples += held
+        if self._advise_over is not None and self.bytes >= self._advise_over:
+            self._advise_over = None
+            warnings.warn(unbounded_advice(self._rank, held, self.bytes), stacklevel=2)
 
     def name(self, sample_id: int, n: int) -> None:
         """An arrived sample is held under its id (until `release`)."""
@@ -96,6 +103,18 @@ class HeldBytes:
             "window_samples_mean": self._sum_samples / n,
             "window_bytes_bound": self.bound,
         }
+
+
+def unbounded_advice(rank: int, samples: int, nbytes: int) -> str:
+    """The warning for a window past the default byte bound where no byte bound is
+    in force: dynamic sharding bounds a rank's window in samples only."""
+    return (
+        f"ODBDataLoader rank {rank}: the loader holds {samples} preprocessed samples, "
+        f"{nbytes:,} bytes, with no byte bound: dynamic sharding bounds the window in "
+        "samples (buffer_size=), not bytes. Where host memory or /dev/shm is short "
+        "(images, video), pass window_bytes= (static sharding, the window bounded in "
+        "bytes) or a smaller buffer_size=."
+    )
 
 
 class SharedMemoryError(ODBError, RuntimeError):

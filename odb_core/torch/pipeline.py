@@ -83,6 +83,7 @@ from odb_core.torch.held import HeldBytes, shared_memory_error, tensor_bytes
 from odb_core.torch.lookahead import LookAhead, early_form_decision
 from odb_core.torch.measure import CostFn, LossTokens, TruncateFn, default_truncate, measure
 from odb_core.torch.meta import StepMeta, attach_context, with_meta
+from odb_core.torch.options import DEFAULT_WINDOW_BYTES
 from odb_core.torch.source import LoadFailure, Record, SampleLoadError
 from odb_core.torch.transport import Gathering, Transport
 from odb_core.torch.wire import Packed, unpack
@@ -210,7 +211,11 @@ class EpochPipeline:
         self._stopping = False
         self._pending: deque[Record] = deque()
         self._pending_sizes: deque[int] = deque()  # tensor bytes of each pending record
-        self._held = HeldBytes(setup.machine.config.window_bytes)
+        self._held = HeldBytes(
+            setup.machine.config.window_bytes,
+            advise_over=DEFAULT_WINDOW_BYTES if setup.machine.config.dynamic else None,
+            rank=setup.machine.rank,
+        )
         self._source_ended = False  # the source returned its end (read ahead, or by _pull)
         self._read_error: Exception | None = None  # raised by the source while reading ahead
         # Set whenever the protocol thread blocks at the gate with nothing to read ahead.
