@@ -9,10 +9,11 @@ import importlib
 import json
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 from guards import HANG_GUARD_S
 
@@ -84,3 +85,37 @@ def ok(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
         assert res is not None, f"rank {r} wrote no result (killed or hung)"
         assert res["ok"], f"rank {r} failed: {res['error']}"
     return [r for r in results if r is not None]
+
+
+def launch_entry(
+    entry: Callable[..., None], world: int, out: Path, *extra: Any, timeout: float
+) -> list[dict[str, Any]]:
+    """Spawn `entry(rank, world, port, out, *extra)` on `world` ranks, each writing
+    `rank{r}.pt` (its result) or `rank{r}.err` (its traceback), and return the
+    results. A rank that failed, wrote nothing, or still runs at `timeout` (then
+    killed) fails the test."""
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=entry, args=(r, world, port, str(out), *extra)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    for r in range(world):
+        err = out / f"rank{r}.err"
+        assert not err.exists(), f"rank {r} failed:\n{err.read_text()}"
+        f = out / f"rank{r}.pt"
+        assert f.exists(), f"rank {r} wrote no result" + (" (hung, killed)" if r in hung else "")
+        results.append(torch.load(f, weights_only=False))
+    assert not hung, f"ranks {hung} still running after {timeout}s (hung)"
+    return results

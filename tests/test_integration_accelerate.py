@@ -45,8 +45,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import torch.multiprocessing as mp  # noqa: E402
-from gloo_ranks import set_rank_env  # noqa: E402
+from gloo_ranks import launch_entry, set_rank_env  # noqa: E402
 from sft_support import (  # noqa: E402
     COLLATES,
     MODELS,
@@ -56,7 +55,7 @@ from sft_support import (  # noqa: E402
     rel_l2,
 )
 
-from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
+from odb_core.bench.launch import init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.errors import ConfigError  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
@@ -353,32 +352,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str, phase: str, ckpt: st
 
 
 def launch(out: Path, phase: str, ckpt: Path, timeout: float = 180) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank_entry, args=(r, WORLD, port, str(out), phase, str(ckpt)))
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks still running after {timeout}s (hung): {hung}"
-    results = []
-    for r in range(WORLD):
-        err = out / f"rank{r}.err"
-        assert not err.exists(), f"rank {r} failed:\n{err.read_text()}"
-        f = out / f"rank{r}.pt"
-        assert f.exists(), f"rank {r} wrote no result"
-        results.append(torch.load(f, weights_only=False))
-    return results
+    return launch_entry(_rank_entry, WORLD, out, phase, str(ckpt), timeout=timeout)
 
 
 def reference_model(name: str, params: torch.Tensor) -> Any:

@@ -45,9 +45,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("lightning")
 
 import lightning.pytorch as pl  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from gloo_ranks import launch as launch_ranks  # noqa: E402
-from gloo_ranks import ok  # noqa: E402
+from gloo_ranks import launch_entry, ok  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from sft_support import (  # noqa: E402
@@ -426,27 +425,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
 
 
 def launch(out: Path, timeout: float = 240) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, WORLD, port, str(out))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results = []
-    for r in range(WORLD):
-        err = out / f"rank{r}.err"
-        assert not err.exists(), f"rank {r} failed:\n{err.read_text()}"
-        f = out / f"rank{r}.pt"
-        assert f.exists(), f"rank {r} wrote no result"
-        results.append(torch.load(f, weights_only=False))
-    return results
+    return launch_entry(_rank_entry, WORLD, out, timeout=timeout)
 
 
 # ---- the parent's view -------------------------------------------------------------------

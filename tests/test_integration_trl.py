@@ -45,12 +45,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-import torch.multiprocessing as mp  # noqa: E402
-from gloo_ranks import set_rank_env  # noqa: E402
+from gloo_ranks import launch_entry, set_rank_env  # noqa: E402
 from sft_support import MODELS, Reference, flat_grad, rel_l2, tiny_llama  # noqa: E402
 from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 
-from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
+from odb_core.bench.launch import init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.errors import ConfigError  # noqa: E402
 from odb_core.integrations.trl import ODBArguments, ODBSFTTrainer  # noqa: E402
 from odb_core.torch import pop_step_meta  # noqa: E402
@@ -294,27 +293,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
 
 
 def launch(out: Path, timeout: float = 240) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, WORLD, port, str(out))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results = []
-    for r in range(WORLD):
-        err = out / f"rank{r}.err"
-        assert not err.exists(), f"rank {r} failed:\n{err.read_text()}"
-        f = out / f"rank{r}.pt"
-        assert f.exists(), f"rank {r} wrote no result"
-        results.append(torch.load(f, weights_only=False))
-    return results
+    return launch_entry(_rank_entry, WORLD, out, timeout=timeout)
 
 
 # ---- the parent's view --------------------------------------------------------------------

@@ -31,13 +31,13 @@ ROW_KEYS = {
 
 
 def test_tiny_run_json(tmp_path: object) -> None:
-    strategies = "standard,grouped,gmt,odb-padded,odb-packed"
+    strategies = "standard,grouped,gmt,trl-packed,odb-padded,odb-packed"
     cmd = [*ODB, "bench", *TINY, "--json", "--strategies", strategies]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout)
     assert r["ok"] is True
-    assert set(r["strategies"]) == {"standard", "grouped", "gmt", "odb-padded", "odb-packed"}
+    assert set(r["strategies"]) == set(strategies.split(","))
     for name, row in r["strategies"].items():
         assert set(row) >= ROW_KEYS, name
         assert row["samples_per_s"] > 0
@@ -47,6 +47,9 @@ def test_tiny_run_json(tmp_path: object) -> None:
         assert len(set(row["steps_per_rank"])) == 1
         assert row["runs"][0]["unique_ids"] == 48
     assert r["strategies"]["odb-packed"]["padding"] == 0.0
+    trl = r["strategies"]["trl-packed"]  # TRL's BFD rows: no padding, every id, pass counted
+    assert trl["padding"] == 0.0 and trl["precompute_s"] > 0
+    assert trl["runs"][0]["unique_ids"] == 48
     assert r["strategies"]["gmt"]["precompute_s"] > 0
     assert {
         "odb-padded/standard",
@@ -55,6 +58,8 @@ def test_tiny_run_json(tmp_path: object) -> None:
         "odb-padded/grouped",
         "odb-packed/grouped_incl_length_pass",
         "grouped/standard",
+        "odb-packed/trl-packed",
+        "odb-packed/trl-packed_incl_pass",
     } <= set(r["ratios"])
     assert r["strategies"]["grouped"]["precompute_s"] > 0
     assert "quality" not in r
@@ -97,6 +102,10 @@ def test_tiny_run_json(tmp_path: object) -> None:
         (
             ["--model", "llama-tiny", "--quality", "--strategies", "grouped,odb-padded"],
             "--quality needs 'standard'",
+        ),
+        (
+            ["--model", "qwen3-vl-tiny", "--strategies", "standard,trl-packed"],
+            "TRL refuses packing for vision datasets",
         ),
     ],
 )
@@ -170,3 +179,19 @@ def test_quality_smoke_ratios_follow_the_curves() -> None:
             assert r["strategies"][name]["equal_steps"] and r["strategies"][name]["exactly_once"]
     parity = r["strategies"]["odb-parity"]["runs"][0]
     assert parity["updates"] < parity["steps_per_rank"][0]  # windows span several steps
+
+
+def test_trl_bfd_rows_hold_every_id_once_under_the_budget() -> None:
+    from odb_core.bench.trl_packing import trl_bfd_plan
+    from odb_core.bench.workload import lengths
+
+    lens = lengths(200, 256, seed=3)
+    plan, took = trl_bfd_plan(lens, 512, world=2, seed=0)
+    rows = [row for rank in plan for row in rank]
+    assert took >= 0 and abs(len(plan[0]) - len(plan[1])) <= 1
+    assert sorted(i for row in rows for i in row) == list(range(200))
+    assert all(sum(lens[i] for i in row) <= 512 for row in rows)
+    # best-fit decreasing fills rows: within one row of the token lower bound
+    assert len(rows) <= -(-sum(lens) // 512) + 1
+    with pytest.raises(ValueError, match="sample 7 has 600 tokens > the budget 512"):
+        trl_bfd_plan([*lens[:7], 600, *lens[8:]], 512, world=2, seed=0)

@@ -50,7 +50,7 @@ from guards import run_script
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import torch.multiprocessing as mp  # noqa: E402
+from gloo_ranks import launch_entry  # noqa: E402
 from sft_support import (  # noqa: E402
     COLLATES,
     MODELS,
@@ -63,7 +63,7 @@ from sft_support import (  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
-from odb_core.bench.launch import free_port, init_local_gloo, release_child_resources  # noqa: E402
+from odb_core.bench.launch import init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.torch import causal_lm_loss, pop_step_meta, scaled_loss  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
@@ -212,27 +212,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
 
 
 def launch(out: Path, timeout: float = 240) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, WORLD, port, str(out))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results = []
-    for r in range(WORLD):
-        err = out / f"rank{r}.err"
-        assert not err.exists(), f"rank {r} failed:\n{err.read_text()}"
-        f = out / f"rank{r}.pt"
-        assert f.exists(), f"rank {r} wrote no result"
-        results.append(torch.load(f, weights_only=False))
-    return results
+    return launch_entry(_rank_entry, WORLD, out, timeout=timeout)
 
 
 class Run:

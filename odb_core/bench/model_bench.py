@@ -10,6 +10,11 @@ Strategies (all under the same peak-token budget per step and rank):
   (`odb_core.bench.grouped`); its timed length pass is reported apart;
 - `gmt`: an offline oracle: a timed length-cache pass over the dataset (reported
   apart), sort longest first, cut at the budget, deal the batches round-robin;
+- `trl-packed`: TRL's `packing=True` (best-fit decreasing, `trl.data_utils.
+  pack_dataset`) over the same pass's lengths into rows of the budget, one row
+  per rank and step, packed like `odb-packed` (`odb_core.bench.trl_packing`); the
+  pass and the packing are its precompute; text models only (TRL refuses
+  packing for vision datasets);
 - `odb-padded`, `odb-packed`: ODBDataLoader with the padded / packed cost model
   (`pad_collate` / `pack_collate`, varlen attention);
 - `odb-ref`: the PyPI package `online-dynamic-batching` (import `odb`), only when
@@ -61,6 +66,7 @@ STRATEGIES = (
     "grouped",
     "grouped-estimate",
     "gmt",
+    "trl-packed",
     "odb-padded",
     "odb-packed",
     "odb-sqrt-lr",
@@ -72,8 +78,11 @@ ODB_STRATEGIES = tuple(RECIPES)
 THROUGHPUT_DEFAULT = ("standard", "grouped", "gmt", "odb-padded", "odb-packed", "odb-ref")
 VLM_DEFAULT = ("standard", "grouped", "grouped-estimate", "gmt", "odb-padded", "odb-packed")
 VLM_QUALITY_DEFAULT = (*VLM_DEFAULT, "odb-linear-lr")
-PLANNED = ("gmt", "grouped", "grouped-estimate")  # offline plans over a _Batches sampler
-QUALITY_DEFAULT = tuple(s for s in STRATEGIES if s not in ("odb-ref", "grouped-estimate"))
+PLANNED = ("gmt", "grouped", "grouped-estimate", "trl-packed")  # offline plans (_Batches)
+PACKED_PLANS = ("trl-packed",)
+QUALITY_DEFAULT = tuple(
+    s for s in STRATEGIES if s not in ("odb-ref", "grouped-estimate", "trl-packed")
+)
 REGIMES = ("scratch", "finetune")
 WARMUP = 0.05  # of the run, every --quality schedule (linear to 0 at the last update)
 
@@ -143,6 +152,14 @@ def validate(params: dict[str, Any]) -> list[str]:
         )
     if "grouped-estimate" in chosen and not vlm:
         raise ValueError("strategy 'grouped-estimate' groups by modality: it needs a VLM --model")
+    if "trl-packed" in chosen:
+        if vlm:
+            raise ValueError(
+                "strategy 'trl-packed' is TRL's text packing: TRL refuses packing for "
+                "vision datasets, so it needs a text --model"
+            )
+        if importlib.util.find_spec("trl") is None:
+            raise ValueError("strategy 'trl-packed' needs trl: pip install 'odb-core[trl]'")
     for name in ("grouped", "grouped-estimate"):
         if name in chosen and importlib.util.find_spec("accelerate") is None:
             raise ValueError(
@@ -393,7 +410,9 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     fixed_batch = max(1, budget // max_len)
     model = wl.model(seed)
     strategies: list[str] = params["strategies"]
-    if any(RECIPES[s].packed for s in strategies if s in RECIPES):
+    if any(RECIPES[s].packed for s in strategies if s in RECIPES) or any(
+        s in strategies for s in PACKED_PLANS
+    ):
         check_packed_model(model)  # packed rows must attend within each sample only
     init_state = copy.deepcopy(model.state_dict())
     vision_s = _forward_timer(wl.vision_tower(model))
@@ -442,7 +461,7 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
     for name in PLANNED:
         if name in strategies:
             loaders[name] = DataLoader(
-                ds, batch_sampler=planned, collate_fn=wl.collate(False), **wkw
+                ds, batch_sampler=planned, collate_fn=wl.collate(name in PACKED_PLANS), **wkw
             )
     ref_sampler: DistributedSampler[Any] = DistributedSampler(ds, shuffle=True, seed=seed)
     if "odb-ref" in strategies:
@@ -515,6 +534,11 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
                     plan = gmt_plan(lens, budget, world, ep_seed)
                 elif name == "grouped":
                     plan = grouped_plan(lens, fixed_batch, world, ep_seed)
+                elif name == "trl-packed":
+                    from odb_core.bench.trl_packing import trl_bfd_plan
+
+                    plan, packing_s = trl_bfd_plan(lens, budget, world, ep_seed)
+                    precompute += packing_s
                 else:
                     from odb_core.bench.vlm_grouped import grouped_estimate_plan
 
@@ -906,6 +930,10 @@ def _report(
             runs, odb, "gmt", "samples_per_s_incl_precompute"
         )
         ratios[f"{odb}/odb-ref"] = _paired(runs, odb, "odb-ref", "samples_per_s")
+        ratios[f"{odb}/trl-packed"] = _paired(runs, odb, "trl-packed", "samples_per_s")
+        ratios[f"{odb}/trl-packed_incl_pass"] = _paired(
+            runs, odb, "trl-packed", "samples_per_s_incl_precompute"
+        )
     if "standard" in strategies:
         base = strategies["standard"]["held_out_loss"]
         for row in strategies.values():
