@@ -269,6 +269,12 @@ DealUpTo(g, k, planLeft) ==
                                       ELSE Work(r) * hn + (g[r].unread + out0[r]) * hw],
                      IF plain THEN 1 ELSE hw, Min2(left, want))
 Deal(g, k, planLeft) == DealUpTo(g, k, DealCap(k, planLeft))
+\* Placement (issue 32): how the deal's count is split between the ranks may be
+\* any function of the agreed state (the gathered vectors, the plan, the cursor,
+\* a learned cost table every rank holds: assign.deal's Pricing).  NoLoss,
+\* NoDuplicate, IdentityCoverage and the bounds use only that every rank computes
+\* the same split of a count decided from the gathered vectors alone
+\* (proofs/dynamic_sharding.md, "Pricing"); Deal above is the mean-priced split.
 
 \* What rank r loads of deal a: its slice follows the lower ranks' slices.
 SliceStart(r, a) == cursor[r] + SumOver({q \in Ranks : q < r}, a)
