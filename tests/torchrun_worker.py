@@ -52,9 +52,9 @@ def main() -> None:
     loader = ODBDataLoader(
         ds, token_budget=24, collate_fn=collate, num_workers=a.workers, peer_timeout=30
     )
-    done = sorted(glob.glob(f"{a.out}/ckpt/*/complete"))
+    done = sorted(d for d in glob.glob(f"{a.out}/ckpt/*") if _complete(d))
     if done:
-        d = os.path.dirname(done[-1])
+        d = done[-1]
         files = sorted(Path(d).glob("rank*.json"))
         states = [json.loads(f.read_text()) for f in files]
         loader.load_state_dict(states)
@@ -71,6 +71,14 @@ def main() -> None:
         raise
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _complete(d: str) -> bool:
+    """A checkpoint holds the state of every rank of the group that wrote it."""
+    worlds = glob.glob(f"{d}/world-*")
+    if len(worlds) != 1:
+        return False
+    return len(glob.glob(f"{d}/rank*.json")) == int(worlds[0].rsplit("-", 1)[1])
 
 
 def train(a: argparse.Namespace, loader: ODBDataLoader, tag: str, rank: int, attempt: int) -> None:
@@ -92,13 +100,16 @@ def train(a: argparse.Namespace, loader: ODBDataLoader, tag: str, rank: int, att
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(a.step_sleep)
                 if (info.step + 1) % a.every == 0:
+                    # Complete once every rank's file is in place (each written whole,
+                    # by rename), before the barrier: no write after it can be lost to
+                    # a peer's kill, however loaded the machine.
                     d = f"{a.out}/ckpt/{epoch:03d}-{info.step + 1:06d}"
                     os.makedirs(d, exist_ok=True)
-                    with open(f"{d}/rank{rank}.json", "w") as f:
+                    Path(d, f"world-{dist.get_world_size()}").touch()
+                    with open(f"{d}/.rank{rank}.tmp", "w") as f:
                         json.dump(loader.state_dict(), f)
+                    os.replace(f"{d}/.rank{rank}.tmp", f"{d}/rank{rank}.json")
                     dist.barrier()
-                    if rank == 0:
-                        open(f"{d}/complete", "w").close()
             log.write(json.dumps({"end": epoch}) + "\n")
 
 
