@@ -31,6 +31,7 @@ from odb_core.errors import ConfigError  # noqa: E402
 from odb_core.torch.held import (  # noqa: E402
     HeldBytes,
     SharedMemoryError,
+    note_worker_exits,
     shared_memory_error,
     tensor_bytes,
 )
@@ -47,15 +48,15 @@ BOUND = 6 << 20
 
 
 class Images(Dataset[dict[str, Any]]):
-    def __init__(self, n: int, bus_at: int | None = None) -> None:
-        self.n, self.bus_at = n, bus_at
+    def __init__(self, n: int, bus_at: int | None = None, sig: int = signal.SIGBUS) -> None:
+        self.n, self.bus_at, self.sig = n, bus_at, sig
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if i == self.bus_at and torch.utils.data.get_worker_info() is not None:
-            os.kill(os.getpid(), signal.SIGBUS)  # what a full /dev/shm does to a worker
+            os.kill(os.getpid(), self.sig)  # SIGBUS: what a full /dev/shm does to a worker
         return {
             "input_ids": torch.full((8 + (i * 7919) % 33,), i, dtype=torch.int64),
             "pixel_values": torch.zeros(PIXELS),
@@ -191,6 +192,41 @@ def test_the_shared_memory_error_is_only_for_shared_memory() -> None:
     other = RuntimeError("CUDA error: device-side assert triggered")
     assert shared_memory_error(other, rank=1, held=held, samples_per_fetch=8) is None
     assert shared_memory_error(ValueError("shm"), rank=1, held=held, samples_per_fetch=8) is None
+
+
+@pytest.mark.parametrize(("sig", "shm"), [(signal.SIGBUS, True), (signal.SIGKILL, False)])
+def test_a_worker_that_exited_unexpectedly_is_named_by_the_signal_that_killed_it(
+    sig: int, shm: bool
+) -> None:
+    """torch raises "exited unexpectedly", naming no signal, when its data-queue read
+    sees the dead worker's connection reset before its SIGCHLD handler runs (a race
+    that load decides); the workers' exit codes still say SIGBUS."""
+    inner = iter(
+        torch.utils.data.DataLoader(
+            Images(4, bus_at=0, sig=sig),
+            batch_size=None,
+            num_workers=1,
+            multiprocessing_context="fork",
+        )
+    )
+    with pytest.raises(RuntimeError):
+        next(inner)  # whichever of torch's two messages won the race
+    worker = inner._workers[0]  # type: ignore[attr-defined]
+    worker.join(HANG_GUARD_S)
+    assert worker.exitcode == -sig
+    raced = RuntimeError(f"DataLoader worker (pid(s) {worker.pid}) exited unexpectedly")
+    note_worker_exits(raced, inner)
+    assert raced.__notes__ == [
+        f"DataLoader worker exit signals: {signal.Signals(sig).name} "
+        f"({signal.strsignal(sig).lower()})"
+    ]
+    held = HeldBytes(None)
+    err = shared_memory_error(raced, rank=0, held=held, samples_per_fetch=2)
+    assert (err is not None) is shm
+    other = RuntimeError("CUDA error: device-side assert triggered")
+    note_worker_exits(other, inner)  # only torch's "exited unexpectedly" is noted
+    assert not hasattr(other, "__notes__")
+    del inner
 
 
 def test_tensor_bytes_counts_nested_tensors_and_arrays() -> None:

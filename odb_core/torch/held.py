@@ -11,6 +11,7 @@ bounds the window by those counts (`ProtocolConfig.window_bytes`).
 
 from __future__ import annotations
 
+import signal
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -19,7 +20,13 @@ import torch
 
 from odb_core.errors import ODBError
 
-__all__ = ["HeldBytes", "SharedMemoryError", "shared_memory_error", "tensor_bytes"]
+__all__ = [
+    "HeldBytes",
+    "SharedMemoryError",
+    "note_worker_exits",
+    "shared_memory_error",
+    "tensor_bytes",
+]
 
 
 def tensor_bytes(raw: Any) -> int:
@@ -124,6 +131,33 @@ class SharedMemoryError(ODBError, RuntimeError):
 _SHM_SIGNS = ("shared memory", "bus error", "/dev/shm", "</torch_", "shm")
 
 
+def note_worker_exits(exc: BaseException, iterator: object) -> None:
+    """Add the signals that killed the DataLoader's workers to torch's "DataLoader
+    worker (pid(s) N) exited unexpectedly", which names none: torch raises it instead
+    of "killed by signal: Bus error" when its data-queue read sees the worker's
+    connection reset before its SIGCHLD handler runs. Read from the multi-process
+    iterator's `_workers` (torch's own, unlisted: its `Process` objects); a no-op for
+    any other error or iterator."""
+    if "exited unexpectedly" not in str(exc):
+        return
+    exits = [getattr(w, "exitcode", None) for w in getattr(iterator, "_workers", ())]
+    names = sorted({_signal_name(-code) for code in exits if code is not None and code < 0})
+    if names:
+        note = f"DataLoader worker exit signals: {', '.join(names)}"
+        notes = list(getattr(exc, "__notes__", ()))
+        if note not in notes:
+            setattr(exc, "__notes__", [*notes, note])  # BaseException.add_note is 3.11+
+
+
+def _signal_name(number: int) -> str:
+    try:
+        sig = signal.Signals(number)
+    except ValueError:
+        return f"signal {number}"
+    desc = signal.strsignal(sig) or sig.name
+    return f"{sig.name} ({desc.lower()})"
+
+
 def shared_memory_error(
     exc: BaseException, *, rank: int, held: HeldBytes, samples_per_fetch: int
 ) -> SharedMemoryError | None:
@@ -132,7 +166,7 @@ def shared_memory_error(
     held and the settings that shrink it; None for any other error."""
     if isinstance(exc, ODBError) or not isinstance(exc, (RuntimeError, OSError)):
         return None
-    text = str(exc).lower()
+    text = " ".join([str(exc), *getattr(exc, "__notes__", ())]).lower()
     if not any(sign in text for sign in _SHM_SIGNS):
         return None
     bound = "unbounded" if held.bound is None else f"window_bytes={held.bound:,}"

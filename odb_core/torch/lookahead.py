@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from odb_core.errors import ODBError
+from odb_core.torch.held import note_worker_exits
 from odb_core.torch.source import Record
 from odb_core.torch.wire import Packed, unpack
 
@@ -67,6 +68,7 @@ class LookAhead(Iterator[list[Record]]):
                     self._put(_END)
                     return
                 except BaseException as exc:
+                    note_worker_exits(exc, src)  # while its workers are at hand
                     self._put(_Raised(exc))
                     return
                 records = unpack(chunk) if isinstance(chunk, Packed) else chunk

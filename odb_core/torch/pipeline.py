@@ -79,7 +79,7 @@ from odb_core.protocol import (
     _truncated_tokens,
 )
 from odb_core.sample import Sample
-from odb_core.torch.held import HeldBytes, shared_memory_error, tensor_bytes
+from odb_core.torch.held import HeldBytes, note_worker_exits, shared_memory_error, tensor_bytes
 from odb_core.torch.lookahead import LookAhead, early_form_decision
 from odb_core.torch.measure import CostFn, LossTokens, TruncateFn, default_truncate, measure
 from odb_core.torch.meta import StepMeta, attach_context, with_meta
@@ -420,6 +420,7 @@ class EpochPipeline:
     def _explain(self, exc: BaseException) -> BaseException:
         """torch's out-of-shared-memory failures as the loader's own error, naming
         what it held and the settings to change (torch/held.py); others unchanged."""
+        note_worker_exits(exc, self.s.source)
         shm = shared_memory_error(
             exc, rank=self.s.machine.rank, held=self._held, samples_per_fetch=self.s.fetch
         )
