@@ -35,7 +35,7 @@ from odb_core.cost import Budget, PaddedTokens  # noqa: E402
 from odb_core.errors import ConfigError, ODBError, ResumeStateError  # noqa: E402
 from odb_core.protocol import RankAction, RankMachine, StepInfo  # noqa: E402
 from odb_core.sample import Sample  # noqa: E402
-from odb_core.torch import pipeline  # noqa: E402
+from odb_core.torch import rounds  # noqa: E402
 from odb_core.torch.lookahead import LookAhead, early_form_decision  # noqa: E402
 from odb_core.torch.options import LoaderOptions  # noqa: E402
 from odb_core.verify.tlc.trace_check import validate_trace_tlc  # noqa: E402
@@ -87,7 +87,7 @@ def make(n: int = N, delay: float = 0.0, **kw: Any) -> Any:
 @pytest.fixture
 def force_early(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop takes FORM_EARLY every time the core enables it (no timing)."""
-    monkeypatch.setattr(pipeline, "early_form_decision", lambda *a: True)
+    monkeypatch.setattr(rounds, "early_form_decision", lambda *a: True)
 
 
 def form_early_count(trace: ProtocolTrace) -> list[int]:

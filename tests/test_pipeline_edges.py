@@ -44,11 +44,11 @@ from odb_core.errors import ODBError, ODBPeerError, SampleError  # noqa: E402
 from odb_core.idset import decode  # noqa: E402
 from odb_core.protocol import RankMachine, StepInfo, _truncated_tokens  # noqa: E402
 from odb_core.sample import Sample  # noqa: E402
-from odb_core.torch import pipeline  # noqa: E402
+from odb_core.torch import rounds  # noqa: E402
 from odb_core.torch.measure import LossTokens  # noqa: E402
-from odb_core.torch.pipeline import (  # noqa: E402
+from odb_core.torch.pipeline import EpochPipeline  # noqa: E402
+from odb_core.torch.rounds import (  # noqa: E402
     Emitted,
-    EpochPipeline,
     EpochSetup,
     PadTemplate,
     _as_id,
@@ -513,7 +513,7 @@ def test_a_cut_that_differs_from_the_protocols_raises(monkeypatch: pytest.Monkey
         kept = _truncated_tokens(sample, config)
         return None if kept is None else kept - 1
 
-    monkeypatch.setattr(pipeline, "_truncated_tokens", one_less)
+    monkeypatch.setattr(rounds, "_truncated_tokens", one_less)
     dl = text_loader(Text([3, 100, 3, 3]), token_budget=50, oversize="truncate")
     with pytest.raises(ODBError) as err:
         list(dl)
@@ -935,7 +935,7 @@ def test_round_waits_are_durations() -> None:
 def test_overlap_is_the_length_of_the_intersection(
     xs: list[tuple[float, float]], ys: list[tuple[float, float]], total: float
 ) -> None:
-    assert pipeline._overlap(xs, ys) == total
+    assert rounds._overlap(xs, ys) == total
 
 
 def test_the_pad_template_keeps_the_first_shortest_sample_zero_tokens_included() -> None:

@@ -26,7 +26,8 @@ from test_pipeline_edges import setup as edges_setup  # noqa: E402
 
 from odb_core.config import ProtocolConfig  # noqa: E402
 from odb_core.cost import Budget  # noqa: E402
-from odb_core.torch.pipeline import Emitted, EpochPipeline, EpochSetup, _End  # noqa: E402
+from odb_core.torch.pipeline import EpochPipeline  # noqa: E402
+from odb_core.torch.rounds import Emitted, EpochSetup, _End  # noqa: E402
 from odb_core.torch.source import Record  # noqa: E402
 
 pytestmark = pytest.mark.torch

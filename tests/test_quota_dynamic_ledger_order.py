@@ -3,7 +3,7 @@
 Each rank's ledger row (`EpochPipeline._ledger`: what its close carried, the ids
 it was dealt and never read, and on rank 0 the plan ids no rank was dealt) is in
 the order of the pass's plan, not of the ids: the next pass deals the carried
-ids first, in that order (odb_core/torch/pipeline.py). The plan is shuffled, so
+ids first, in that order (odb_core/torch/rounds.py). The plan is shuffled, so
 an order by id would differ (the surviving mutants of `make mutants` on
 `_ledger`, docs/VERIFICATION.md).
 """

@@ -26,7 +26,8 @@ from odb_core.config import Mode, ProtocolConfig  # noqa: E402
 from odb_core.cost import Budget  # noqa: E402
 from odb_core.protocol import RankMachine, StepInfo  # noqa: E402
 from odb_core.torch.measure import LossTokens  # noqa: E402
-from odb_core.torch.pipeline import EpochPipeline, EpochSetup, _End  # noqa: E402
+from odb_core.torch.pipeline import EpochPipeline  # noqa: E402
+from odb_core.torch.rounds import EpochSetup, _End  # noqa: E402
 from odb_core.torch.transport import LocalTransport  # noqa: E402
 
 pytestmark = pytest.mark.torch

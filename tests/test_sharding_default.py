@@ -146,9 +146,9 @@ def test_a_dynamic_window_past_the_default_byte_bound_warns_once(
     sharding, which bounds bytes, does not warn."""
     import warnings
 
-    from odb_core.torch import pipeline
+    from odb_core.torch import rounds
 
-    monkeypatch.setattr(pipeline, "DEFAULT_WINDOW_BYTES", 64)
+    monkeypatch.setattr(rounds, "DEFAULT_WINDOW_BYTES", 64)
 
     def body(loader: Any) -> tuple[list[StepInfo], dict[str, Any]]:
         return [b["_odb"] if isinstance(b, dict) and "_odb" in b else b for b in loader], {}

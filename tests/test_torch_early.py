@@ -49,9 +49,9 @@ def ids_of(samples: list[dict[str, Any]]) -> list[int]:
 
 def run_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     if spec["force"]:
-        from odb_core.torch import pipeline
+        from odb_core.torch import rounds
 
-        pipeline.early_form_decision = lambda *a: True  # type: ignore[assignment]
+        rounds.early_form_decision = lambda *a: True  # type: ignore[assignment]
     if spec.get("broken"):
         from odb_core.protocol import RankMachine
 

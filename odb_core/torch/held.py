@@ -144,9 +144,8 @@ def note_worker_exits(exc: BaseException, iterator: object) -> None:
     names = sorted({_signal_name(-code) for code in exits if code is not None and code < 0})
     if names:
         note = f"DataLoader worker exit signals: {', '.join(names)}"
-        notes = list(getattr(exc, "__notes__", ()))
-        if note not in notes:
-            setattr(exc, "__notes__", [*notes, note])  # BaseException.add_note is 3.11+
+        if note not in getattr(exc, "__notes__", ()):
+            exc.__dict__.setdefault("__notes__", []).append(note)  # add_note, on 3.10 too
 
 
 def _signal_name(number: int) -> str:

@@ -84,13 +84,8 @@ from odb_core.torch.lookahead import LookAhead
 from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, TruncateFn, measure
 from odb_core.torch.meta import scaled_loss
 from odb_core.torch.options import LoaderOptions, ShardingChoice
-from odb_core.torch.pipeline import (
-    Emitted,
-    EpochPipeline,
-    EpochSetup,
-    EpochStats,
-    _End,
-)
+from odb_core.torch.pipeline import EpochPipeline
+from odb_core.torch.rounds import Emitted, EpochSetup, EpochStats, _End
 from odb_core.torch.sharding import epoch_order, sampler_order
 from odb_core.torch.source import (
     IndexChunks,
