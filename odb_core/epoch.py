@@ -20,7 +20,7 @@ from typing import Any
 
 from odb_core.errors import ODBError
 from odb_core.ledger import Ledgers
-from odb_core.progress import ProgressTracker, RunProgress
+from odb_core.progress import RunProgress, WindowCounts
 from odb_core.protocol import StepInfo
 from odb_core.resume import EpochProgress
 
@@ -66,7 +66,7 @@ class EpochTracker:
     HISTORY = 4
 
     def __init__(self) -> None:
-        self.progress = ProgressTracker()
+        self.progress = WindowCounts()
         self.reset()
 
     def reset(self, loaded: EpochProgress | None = None, carry: Ledgers = ()) -> None:

@@ -8,7 +8,7 @@ epochs it is the run's progress in [0, 1], which ends at exactly 1 with the
 last update whatever the number of steps, also after a resume at another world
 size (the resumed state's emitted count gives the samples consumed).
 
-`ProgressTracker` folds the steps a loader yields into that fact;
+`WindowCounts` folds the steps a loader yields into that fact;
 `RunProgress` is the fact at one position.
 """
 
@@ -82,7 +82,7 @@ class RunProgress:
 
 
 @dataclass(frozen=True)
-class _Position:
+class _Counts:
     samples: int
     loss_tokens: int
     updates: int
@@ -91,7 +91,7 @@ class _Position:
     window_loss_tokens: int
 
 
-class ProgressTracker:
+class WindowCounts:
     """The closed-window counts of one pass over an epoch, as steps are yielded,
     with the last few positions kept so a trainer that prefetches (Lightning: one
     batch) can read the progress as of the step it trains (`after(step)`)."""
@@ -104,11 +104,11 @@ class ProgressTracker:
     def reset(self, *, samples: int = 0, updates: int = 0, closed: bool = False) -> None:
         """A pass starts: `samples` already consumed this epoch and `updates` windows
         closed (a resumed state's emitted count and next window; 0 otherwise)."""
-        self._start = _Position(samples, 0, updates, closed, 0, 0)
+        self._start = _Counts(samples, 0, updates, closed, 0, 0)
         self._current = self._start
         self._open_samples = 0
         self._open_loss = 0
-        self._history: deque[tuple[int, _Position]] = deque(maxlen=self.HISTORY)
+        self._history: deque[tuple[int, _Counts]] = deque(maxlen=self.HISTORY)
 
     def record(self, info: StepInfo, *, last_of_epoch: bool) -> None:
         """A step was yielded (its window fields are final)."""
@@ -116,7 +116,7 @@ class ProgressTracker:
         self._open_loss += info.global_loss_tokens
         cur = self._current
         if info.sync_gradients or last_of_epoch:
-            cur = _Position(
+            cur = _Counts(
                 cur.samples + self._open_samples,
                 cur.loss_tokens + self._open_loss,
                 info.window + 1,
@@ -126,7 +126,7 @@ class ProgressTracker:
             )
             self._open_samples = self._open_loss = 0
         else:
-            cur = _Position(
+            cur = _Counts(
                 cur.samples,
                 cur.loss_tokens,
                 cur.updates,
@@ -156,7 +156,7 @@ class ProgressTracker:
         )
 
 
-def _progress(pos: _Position, epoch: int, epoch_samples: int, closed: bool) -> RunProgress:
+def _progress(pos: _Counts, epoch: int, epoch_samples: int, closed: bool) -> RunProgress:
     return RunProgress(
         epoch=epoch,
         epoch_samples=epoch_samples,

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from odb_core.errors import ConfigError, ODBError
-from odb_core.progress import ProgressTracker, RunProgress
+from odb_core.progress import RunProgress, WindowCounts
 from odb_core.protocol import StepInfo
 from odb_core.sample import Sample
 from odb_core.schedule import (
@@ -118,7 +118,7 @@ def _step(step: int, window: int, sync: bool, samples: int, loss: int) -> StepIn
 
 
 def test_progress_moves_only_when_a_window_closes() -> None:
-    t = ProgressTracker()
+    t = WindowCounts()
     t.reset(samples=10, updates=1)
     t.record(_step(3, 1, False, 4, 40), last_of_epoch=False)
     p = t.progress(0, 20, closed=False)
