@@ -8,32 +8,39 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from odb_core.batch import Batch
-from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
-from odb_core.cost import AttentionAware, BatchStats, Budget, Multimodal, PackedTokens, PaddedTokens
-from odb_core.errors import (
-    ConfigError,
-    DuplicateIdError,
-    DuplicateSampleError,
-    ODBError,
-    ODBPeerError,
-    OversizeSampleError,
-    PeerFault,
-    ProtocolError,
-    ResumeMismatchError,
-    ResumeStateError,
-    SampleError,
-)
-from odb_core.formers import FormerKind, best_fit_decreasing, sort_window_greedy
-from odb_core.protocol import (
-    Contribution,
-    RankMachine,
-    RankPhase,
-    RoundDecision,
-    StepInfo,
-    decide_round,
-)
-from odb_core.sample import Sample, make_sample
+from odb_core.batch import Batch as Batch
+from odb_core.config import LossNormalization as LossNormalization
+from odb_core.config import Mode as Mode
+from odb_core.config import OversizePolicy as OversizePolicy
+from odb_core.config import ProtocolConfig as ProtocolConfig
+from odb_core.cost import AttentionAware as AttentionAware
+from odb_core.cost import BatchStats as BatchStats
+from odb_core.cost import Budget as Budget
+from odb_core.cost import Multimodal as Multimodal
+from odb_core.cost import PackedTokens as PackedTokens
+from odb_core.cost import PaddedTokens as PaddedTokens
+from odb_core.errors import ConfigError as ConfigError
+from odb_core.errors import DuplicateIdError as DuplicateIdError
+from odb_core.errors import DuplicateSampleError as DuplicateSampleError
+from odb_core.errors import ODBError as ODBError
+from odb_core.errors import ODBPeerError as ODBPeerError
+from odb_core.errors import OversizeSampleError as OversizeSampleError
+from odb_core.errors import PeerFault as PeerFault
+from odb_core.errors import ProtocolError as ProtocolError
+from odb_core.errors import ResumeMismatchError as ResumeMismatchError
+from odb_core.errors import ResumeStateError as ResumeStateError
+from odb_core.errors import SampleError as SampleError
+from odb_core.formers import FormerKind as FormerKind
+from odb_core.formers import best_fit_decreasing as best_fit_decreasing
+from odb_core.formers import sort_window_greedy as sort_window_greedy
+from odb_core.protocol import Contribution as Contribution
+from odb_core.protocol import RankMachine as RankMachine
+from odb_core.protocol import RankPhase as RankPhase
+from odb_core.protocol import RoundDecision as RoundDecision
+from odb_core.protocol import StepInfo as StepInfo
+from odb_core.protocol import decide_round as decide_round
+from odb_core.sample import Sample as Sample
+from odb_core.sample import make_sample as make_sample
 
 if TYPE_CHECKING:
     from odb_core.torch import STEP_META_KEY as STEP_META_KEY
@@ -50,7 +57,6 @@ if TYPE_CHECKING:
     from odb_core.torch import pad_collate as pad_collate
     from odb_core.torch import pop_step_meta as pop_step_meta
     from odb_core.torch import sample_profile as sample_profile
-    from odb_core.torch import scale_loss as scale_loss
     from odb_core.torch import scaled_loss as scaled_loss
     from odb_core.torch import step_meta as step_meta
     from odb_core.torch import use_packed_attention as use_packed_attention
@@ -59,73 +65,20 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# torch-backed names, imported on first use so that `import odb_core` never imports torch;
-# tests/test_imports.py holds this list, the block above and odb_core.torch.__all__ equal.
-_TORCH_EXPORTS = (
-    "STEP_META_KEY",
-    "MRopeIndex",
-    "ODBDataLoader",
-    "ProgressLR",
-    "SampleLoadError",
-    "StepMeta",
-    "VLMPackCollate",
-    "causal_lm_loss",
-    "check_packed_model",
-    "merge_states",
-    "pack_collate",
-    "pad_collate",
-    "pop_step_meta",
-    "sample_profile",
-    "scale_loss",
-    "scaled_loss",
-    "step_meta",
-    "use_packed_attention",
-    "vlm_pack_collate",
-    "vlm_pad_collate",
-)
+from odb_core import api
+
+# torch-backed names (api.TORCH), imported on first use so that `import odb_core` never
+# imports torch; tests/test_imports.py holds the block above equal to api.TORCH.
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TORCH_EXPORTS:
+    if name in api.TORCH:
         value = getattr(importlib.import_module("odb_core.torch"), name)
         globals()[name] = value
         return value
+    if name in api.DEPRECATED_TORCH:
+        return getattr(importlib.import_module(api.DEPRECATED_TORCH[name]), name)
     raise AttributeError(f"module 'odb_core' has no attribute {name!r}")
 
 
-__all__ = [
-    "AttentionAware",
-    "Batch",
-    "BatchStats",
-    "Budget",
-    "ConfigError",
-    "Contribution",
-    "DuplicateIdError",
-    "DuplicateSampleError",
-    "FormerKind",
-    "LossNormalization",
-    "Mode",
-    "Multimodal",
-    "ODBError",
-    "ODBPeerError",
-    "OversizePolicy",
-    "OversizeSampleError",
-    "PackedTokens",
-    "PaddedTokens",
-    "PeerFault",
-    "ProtocolConfig",
-    "ProtocolError",
-    "RankMachine",
-    "RankPhase",
-    "ResumeMismatchError",
-    "ResumeStateError",
-    "RoundDecision",
-    "Sample",
-    "SampleError",
-    "StepInfo",
-    "__version__",
-    "best_fit_decreasing",
-    "decide_round",
-    "make_sample",
-    "sort_window_greedy",
-]
+__all__ = ["__version__", *api.CORE, *api.TORCH]

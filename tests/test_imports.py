@@ -54,8 +54,96 @@ def test_the_lazy_exports_match_the_torch_adapter() -> None:
         if isinstance(stmt, ast.ImportFrom) and stmt.module == "odb_core.torch"
         for alias in stmt.names
     }
-    lazy = set(odb_core._TORCH_EXPORTS)
+    lazy = set(odb_core.api.TORCH)
     assert lazy == set(odb_core.torch.__all__)
     assert checked == lazy
     for name in lazy:
         assert getattr(odb_core, name) is getattr(odb_core.torch, name)
+
+
+#: The public API, pinned: a name added, removed or renamed is a decision, made here too.
+CORE_API = (
+    "AttentionAware",
+    "Batch",
+    "BatchStats",
+    "Budget",
+    "ConfigError",
+    "Contribution",
+    "DuplicateIdError",
+    "DuplicateSampleError",
+    "FormerKind",
+    "LossNormalization",
+    "Mode",
+    "Multimodal",
+    "ODBError",
+    "ODBPeerError",
+    "OversizePolicy",
+    "OversizeSampleError",
+    "PackedTokens",
+    "PaddedTokens",
+    "PeerFault",
+    "ProtocolConfig",
+    "ProtocolError",
+    "RankMachine",
+    "RankPhase",
+    "ResumeMismatchError",
+    "ResumeStateError",
+    "RoundDecision",
+    "Sample",
+    "SampleError",
+    "StepInfo",
+    "best_fit_decreasing",
+    "decide_round",
+    "make_sample",
+    "sort_window_greedy",
+)
+TORCH_API = (
+    "STEP_META_KEY",
+    "MRopeIndex",
+    "ODBDataLoader",
+    "ProgressLR",
+    "SampleLoadError",
+    "StepMeta",
+    "VLMPackCollate",
+    "causal_lm_loss",
+    "check_packed_model",
+    "merge_states",
+    "pack_collate",
+    "pad_collate",
+    "pop_step_meta",
+    "sample_profile",
+    "scaled_loss",
+    "step_meta",
+    "use_packed_attention",
+    "vlm_pack_collate",
+    "vlm_pad_collate",
+)
+
+
+def test_the_public_api_is_listed_once_and_pinned() -> None:
+    import odb_core
+    import odb_core.torch
+
+    assert odb_core.api.CORE == CORE_API
+    assert odb_core.api.TORCH == TORCH_API
+    assert odb_core.__all__ == ["__version__", *CORE_API, *TORCH_API]
+    assert odb_core.torch.__all__ == list(TORCH_API)
+    for name in CORE_API:
+        assert getattr(odb_core, name) is not None
+
+
+def test_deprecated_names_work_and_warn_but_are_exported_nowhere() -> None:
+    from types import SimpleNamespace
+
+    torch = pytest.importorskip("torch")
+    import odb_core
+    import odb_core.torch
+
+    assert odb_core.api.DEPRECATED_TORCH
+    for name in odb_core.api.DEPRECATED_TORCH:
+        assert name not in odb_core.__all__ and name not in odb_core.torch.__all__
+        assert getattr(odb_core, name) is getattr(odb_core.torch, name)
+    with pytest.warns(DeprecationWarning, match="scaled_loss"):
+        odb_core.scale_loss(torch.ones(()), SimpleNamespace(loss_scale=2.0))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        odb_core.torch.nothing  # noqa: B018

@@ -36,13 +36,13 @@ from odb_core import (  # noqa: E402
     StepMeta,
     causal_lm_loss,
     pop_step_meta,
-    scale_loss,
     scaled_loss,
     step_meta,
 )
 from odb_core.errors import EpochFinishedError  # noqa: E402
 from odb_core.idset import decode  # noqa: E402
 from odb_core.protocol import StepInfo  # noqa: E402
+from odb_core.torch.loss import scale_loss  # noqa: E402  (deprecated, exported nowhere)
 
 pytestmark = pytest.mark.torch
 
