@@ -56,9 +56,9 @@ if TYPE_CHECKING:
     from odb_core.torch import pack_collate as pack_collate
     from odb_core.torch import pad_collate as pad_collate
     from odb_core.torch import pop_step_meta as pop_step_meta
+    from odb_core.torch import read_step_meta as read_step_meta
     from odb_core.torch import sample_profile as sample_profile
     from odb_core.torch import scaled_loss as scaled_loss
-    from odb_core.torch import step_meta as step_meta
     from odb_core.torch import use_packed_attention as use_packed_attention
     from odb_core.torch import vlm_pack_collate as vlm_pack_collate
     from odb_core.torch import vlm_pad_collate as vlm_pad_collate

@@ -61,11 +61,11 @@ TORCH = (
     "pop_step_meta",
     "sample_profile",
     "scaled_loss",
-    "step_meta",
+    "read_step_meta",
     "use_packed_attention",
     "vlm_pack_collate",
     "vlm_pad_collate",
 )
 
 #: Deprecated names: where each still lives (it warns when used); exported nowhere.
-DEPRECATED_TORCH = {"scale_loss": "odb_core.torch.loss"}
+DEPRECATED_TORCH = {"scale_loss": "odb_core.torch.loss", "step_meta": "odb_core.torch.meta"}

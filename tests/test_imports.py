@@ -113,7 +113,7 @@ TORCH_API = (
     "pop_step_meta",
     "sample_profile",
     "scaled_loss",
-    "step_meta",
+    "read_step_meta",
     "use_packed_attention",
     "vlm_pack_collate",
     "vlm_pad_collate",
@@ -145,5 +145,8 @@ def test_deprecated_names_work_and_warn_but_are_exported_nowhere() -> None:
         assert getattr(odb_core, name) is getattr(odb_core.torch, name)
     with pytest.warns(DeprecationWarning, match="scaled_loss"):
         odb_core.scale_loss(torch.ones(()), SimpleNamespace(loss_scale=2.0))
+    meta = odb_core.StepMeta(*range(len(odb_core.StepMeta._fields)))
+    with pytest.warns(DeprecationWarning, match="read_step_meta"):
+        assert odb_core.step_meta(meta) is meta
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         odb_core.torch.nothing  # noqa: B018

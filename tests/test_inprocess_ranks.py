@@ -15,7 +15,7 @@ from test_tlc import require_tlc  # noqa: E402
 from thread_ranks import RankLoader, on_ranks, to_the_end, until  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from odb_core import ODBDataLoader, scaled_loss, step_meta  # noqa: E402
+from odb_core import ODBDataLoader, read_step_meta, scaled_loss  # noqa: E402
 from odb_core.protocol import StepInfo  # noqa: E402
 from odb_core.torch.pipeline import EpochPipeline  # noqa: E402
 from odb_core.verify.tlc.trace_check import validate_trace_tlc  # noqa: E402
@@ -72,7 +72,7 @@ def with_batches(loader: ODBDataLoader) -> tuple[list[StepInfo], dict[str, Any]]
     for batch in loader:
         info = loader.step_info
         assert info is not None
-        meta = step_meta(batch)
+        meta = read_step_meta(batch)
         loss = torch.tensor(2.5, requires_grad=True)
         scaled_loss(batch, loss).backward()
         assert loss.grad is not None

@@ -219,7 +219,7 @@ def test_prefetched_passes_save_the_state_of_the_batch_in_training() -> None:
     training, not after the prefetched one; a deeper prefetch or a foreign step
     is refused."""
     from odb_core.errors import ODBError
-    from odb_core.torch.meta import step_meta
+    from odb_core.torch.meta import read_step_meta
     from odb_core.torch.prefetch import PrefetchedPasses
 
     dl = loader(Text(40), step_meta=True)
@@ -227,7 +227,7 @@ def test_prefetched_passes_save_the_state_of_the_batch_in_training() -> None:
     assert passes.state() == dl.state_dict()  # nothing yielded yet
     snaps, steps, prev = [], [], None
     for batch in passes:
-        step = step_meta(batch).step
+        step = read_step_meta(batch).step
         if prev is not None:  # Lightning: the previous batch trains while this one waits
             passes.start(prev)
             assert passes.state() == snaps[-1]  # taken right after step prev

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 import gloo_ranks  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
-from odb_core import ODBDataLoader, StepMeta, step_meta  # noqa: E402
+from odb_core import ODBDataLoader, StepMeta, read_step_meta  # noqa: E402
 from odb_core.verify.tlc import validate_trace_tlc  # noqa: E402
 from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
 
@@ -110,7 +110,7 @@ def step_record(loader: ODBDataLoader, batch: dict[str, Any]) -> list[Any]:
     info = loader.step_info
     assert info is not None
     assert batch["input_ids"].shape[0] == max(1, info.local_samples)
-    meta = step_meta(batch)  # in band, pads included
+    meta = read_step_meta(batch)  # in band, pads included
     assert meta == StepMeta.from_info(info) and meta.world_size == loader.world_size
     assert meta.is_pad == info.is_pad and meta.loss_scale == info.loss_scale
     return [
@@ -227,7 +227,7 @@ def _trace(loader: ODBDataLoader, batches: Any) -> list[Any]:
     for b in batches:
         info = loader.step_info
         assert info is not None
-        out.append([list(step_meta(b)), list(info.sample_ids), b["idx"].tolist()])
+        out.append([list(read_step_meta(b)), list(info.sample_ids), b["idx"].tolist()])
     return out
 
 

@@ -36,8 +36,8 @@ from odb_core import (  # noqa: E402
     StepMeta,
     causal_lm_loss,
     pop_step_meta,
+    read_step_meta,
     scaled_loss,
-    step_meta,
 )
 from odb_core.errors import EpochFinishedError  # noqa: E402
 from odb_core.idset import decode  # noqa: E402
@@ -101,7 +101,7 @@ def run(dl: ODBDataLoader) -> list[StepInfo]:
         info = dl.step_info
         assert info is not None
         if dl.step_meta:
-            assert step_meta(batch) == StepMeta.from_info(info)
+            assert read_step_meta(batch) == StepMeta.from_info(info)
         infos.append(info)
     return infos
 
@@ -239,7 +239,7 @@ def test_every_sample_once_and_step_info_matches_the_batch(n: int, thread: bool)
         info = dl.step_info
         assert info is not None and info.step == steps
         assert set(batch) == {"input_ids", STEP_META_KEY}, "only the step metadata is added"
-        assert step_meta(batch) == StepMeta.from_info(info) == step_meta(info)
+        assert read_step_meta(batch) == StepMeta.from_info(info) == read_step_meta(info)
         assert batch["input_ids"].shape[0] == info.local_samples == info.global_samples
         assert info.local_tokens == info.global_tokens <= 64
         assert info.loss_scale == 1.0 and not info.is_pad
@@ -645,7 +645,7 @@ def test_step_meta_false_yields_exactly_what_collate_fn_returns() -> None:
     for batch in loader(Text(20), step_meta=False):
         assert set(batch) == {"input_ids"}
         with pytest.raises(ODBError, match="no 'odb_step' key"):
-            step_meta(batch)
+            read_step_meta(batch)
 
 
 def test_metadata_fields_match_the_step_info_and_the_core_scale() -> None:
@@ -705,7 +705,7 @@ def test_hf_batch_encoding_keeps_its_type_and_moves_the_metadata() -> None:
     for batch in loader(Text(10), collate_fn=hf_collate):
         assert isinstance(batch, transformers.BatchEncoding)
         moved = batch.to("cpu")
-        assert step_meta(moved) == step_meta(batch)
+        assert read_step_meta(moved) == read_step_meta(batch)
         assert set(pop_step_meta(batch)._fields) == set(StepMeta._fields)
         assert STEP_META_KEY not in batch
 
@@ -723,23 +723,23 @@ def test_metadata_survives_trainer_style_batch_transfers() -> None:
     from torch.utils import _pytree
 
     batches = list(loader(Text(20), shuffle=True))
-    metas = [step_meta(b) for b in batches]
+    metas = [read_step_meta(b) for b in batches]
     moved = [_pytree.tree_map(lambda t: t.clone(), b) for b in batches]
-    assert [step_meta(b) for b in moved] == metas
-    assert [step_meta(_recursive_to(b, torch.bfloat16)) for b in batches] == metas
+    assert [read_step_meta(b) for b in moved] == metas
+    assert [read_step_meta(_recursive_to(b, torch.bfloat16)) for b in batches] == metas
     try:
         from lightning_utilities.core.apply_func import apply_to_collection
     except ImportError:
         apply_to_collection = None
     if apply_to_collection is not None:  # what Lightning's transfer_batch_to_device uses
         out = [apply_to_collection(b, torch.Tensor, lambda t: t.to("cpu")) for b in batches]
-        assert [step_meta(b) for b in out] == metas
+        assert [read_step_meta(b) for b in out] == metas
     try:
         from accelerate.utils import send_to_device
     except ImportError:
         send_to_device = None
     if send_to_device is not None:
-        assert [step_meta(send_to_device(b, "cpu")) for b in batches] == metas
+        assert [read_step_meta(send_to_device(b, "cpu")) for b in batches] == metas
     try:
         from transformers import Trainer
     except ImportError:
@@ -749,7 +749,7 @@ def test_metadata_survives_trainer_style_batch_transfers() -> None:
 
         fake = SimpleNamespace(args=SimpleNamespace(device="cpu"), is_deepspeed_enabled=False)
         fake._prepare_input = lambda d: Trainer._prepare_input(fake, d)
-        assert [step_meta(fake._prepare_input(b)) for b in batches] == metas
+        assert [read_step_meta(fake._prepare_input(b)) for b in batches] == metas
 
 
 @pytest.mark.parametrize("thread", [True, False])
@@ -776,11 +776,11 @@ def test_metadata_is_right_under_a_prefetching_trainer(thread: bool) -> None:
 def test_step_meta_of_a_foreign_step_info_needs_world_and_normalization() -> None:
     info = StepInfo(3, 0, 0, False, None, 2, 4, 10, 20, 8, 16, 1, True, 4, 16, loss_scale=1.0)
     with pytest.raises(ODBError, match="world_size="):
-        step_meta(info)
-    meta = step_meta(info, world_size=2, normalization="tokens")
+        read_step_meta(info)
+    meta = read_step_meta(info, world_size=2, normalization="tokens")
     assert meta.loss_scale == 2 * 8 / 16 and meta.window == 1
     with pytest.raises(TypeError, match="not int"):
-        step_meta(5)
+        read_step_meta(5)
 
 
 # ---- the loss helpers --------------------------------------------------------------------
@@ -838,10 +838,10 @@ def test_loss_helpers_read_the_batch_itself() -> None:
         logits = torch.randn(*batch["input_ids"].shape, 5)
         labels = batch["labels"].clamp(max=4).masked_fill(batch["labels"] < 0, -100)
         assert causal_lm_loss(batch, logits, labels).item() == pytest.approx(
-            causal_lm_loss(step_meta(batch), logits, labels).item()
+            causal_lm_loss(read_step_meta(batch), logits, labels).item()
         )
         assert scaled_loss(batch, torch.tensor(2.0)).item() == pytest.approx(
-            2.0 * step_meta(batch).loss_scale
+            2.0 * read_step_meta(batch).loss_scale
         )
 
 
@@ -950,7 +950,7 @@ def _trace(dl: ODBDataLoader, it: Any = None) -> list[tuple[StepMeta, list[int],
     """(StepMeta, sample ids, the batch's own ids) of every remaining step."""
     out = []
     for batch in dl if it is None else it:
-        out.append((step_meta(batch), list(dl.step_info.sample_ids), batch["idx"].tolist()))  # type: ignore[union-attr]
+        out.append((read_step_meta(batch), list(dl.step_info.sample_ids), batch["idx"].tolist()))  # type: ignore[union-attr]
     return out
 
 
@@ -972,7 +972,7 @@ def test_deterministic_resume_is_exact_at_random_steps(seed: int) -> None:
         dl = chat_loader(Chat(70), **kw)
         it = iter(dl)
         head = [next(it) for _ in range(stop)]
-        assert step_meta(head[-1]) == full[stop - 1][0]
+        assert read_step_meta(head[-1]) == full[stop - 1][0]
         state = json.loads(json.dumps(dl.state_dict()))
         fresh = chat_loader(Chat(70), **kw)
         fresh.load_state_dict(state)
@@ -1020,7 +1020,7 @@ def test_non_deterministic_resume_keeps_exactly_once_and_opens_a_new_window() ->
     it = iter(dl)
     for _ in range(4):  # stop inside window 1
         batch = next(it)
-    assert step_meta(batch).window == 1 and not step_meta(batch).sync_gradients
+    assert read_step_meta(batch).window == 1 and not read_step_meta(batch).sync_gradients
     state = dl.state_dict()
     fresh = chat_loader(Chat(60), grad_accum_steps=3)
     fresh.load_state_dict(state)

@@ -36,7 +36,7 @@ from odb_core.integrations import versions
 from odb_core.integrations.short_schedule import short_schedule_message, step_sized
 from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
-from odb_core.torch import ODBDataLoader, StepMeta, step_meta
+from odb_core.torch import ODBDataLoader, StepMeta, read_step_meta
 from odb_core.torch.adapter_options import (
     check_dataset,
     check_options,
@@ -370,7 +370,7 @@ class ODBCallback(Callback):
     ) -> None:
         dm = self._datamodule(trainer)
         try:
-            meta = step_meta(batch)
+            meta = read_step_meta(batch)
         except (ODBError, TypeError) as exc:
             raise ConfigError(
                 f"the training batch carries no ODB step metadata ({exc}): keep "

@@ -19,8 +19,8 @@ from odb_core.torch.meta import STEP_META_KEY as STEP_META_KEY
 from odb_core.torch.meta import StepMeta as StepMeta
 from odb_core.torch.meta import causal_lm_loss as causal_lm_loss
 from odb_core.torch.meta import pop_step_meta as pop_step_meta
+from odb_core.torch.meta import read_step_meta as read_step_meta
 from odb_core.torch.meta import scaled_loss as scaled_loss
-from odb_core.torch.meta import step_meta as step_meta
 from odb_core.torch.profile import sample_profile as sample_profile
 from odb_core.torch.schedule import ProgressLR as ProgressLR
 from odb_core.torch.source import SampleLoadError as SampleLoadError

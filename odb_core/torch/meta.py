@@ -22,6 +22,7 @@ Mapping becomes a dict, and any other batch is yielded as the container
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any, NamedTuple
 
@@ -38,8 +39,8 @@ __all__ = [
     "StepMeta",
     "causal_lm_loss",
     "pop_step_meta",
+    "read_step_meta",
     "scaled_loss",
-    "step_meta",
 ]
 
 STEP_META_KEY = "odb_step"
@@ -158,7 +159,7 @@ class StepMeta(NamedTuple):
 
 
 def attach_context(info: StepInfo, world_size: int, normalization: LossNormalization) -> None:
-    """Let `step_meta(info)` rebuild the metadata of a StepInfo the loader yields
+    """Let `read_step_meta(info)` rebuild the metadata of a StepInfo the loader yields
     (StepInfo, a core type, has no world size or normalisation field)."""
     with contextlib.suppress(AttributeError):  # a slotted StepInfo: pass them explicitly
         object.__setattr__(info, _CONTEXT, (world_size, normalization))
@@ -184,7 +185,7 @@ def with_meta(batch: Any, meta: torch.Tensor) -> Any:
     return {BATCH_KEY: batch, STEP_META_KEY: meta}
 
 
-def step_meta(
+def read_step_meta(
     x: Any,
     *,
     world_size: int | None = None,
@@ -206,9 +207,20 @@ def step_meta(
             )
         return StepMeta.from_tensor(x[STEP_META_KEY])
     raise TypeError(
-        "step_meta() takes a batch yielded by ODBDataLoader, its 'odb_step' tensor, a "
+        "read_step_meta() takes a batch yielded by ODBDataLoader, its 'odb_step' tensor, a "
         f"StepInfo or a StepMeta, not {type(x).__name__}"
     )
+
+
+def step_meta(x: Any, **context: Any) -> StepMeta:
+    """Deprecated name of `read_step_meta` (`step_meta=` is the loader's option)."""
+    warnings.warn(
+        "odb_core.step_meta(batch) is deprecated: use odb_core.read_step_meta(batch) "
+        "(step_meta= stays the loader's option)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return read_step_meta(x, **context)
 
 
 def pop_step_meta(batch: MutableMapping[str, Any]) -> StepMeta:
@@ -219,10 +231,10 @@ def pop_step_meta(batch: MutableMapping[str, Any]) -> StepMeta:
     if not isinstance(batch, MutableMapping):
         raise TypeError(
             f"pop_step_meta() takes a yielded batch (a mutable mapping), not "
-            f"{type(batch).__name__}; use step_meta() to read without removing"
+            f"{type(batch).__name__}; use read_step_meta() to read without removing"
         )
     if STEP_META_KEY not in batch:
-        step_meta(batch)  # raises, naming the keys
+        read_step_meta(batch)  # raises, naming the keys
     return StepMeta.from_tensor(batch.pop(STEP_META_KEY))
 
 
@@ -233,7 +245,7 @@ def scaled_loss(meta_or_batch: Any, loss: torch.Tensor) -> torch.Tensor:
     exactly that of the global mean over the window. A step with scale 0 (a pad,
     a batch without loss tokens, a window without any) gives 0 with the graph
     kept, even when its mean is NaN (a mean over no token)."""
-    return apply_scale(loss, step_meta(meta_or_batch).loss_scale)
+    return apply_scale(loss, read_step_meta(meta_or_batch).loss_scale)
 
 
 def apply_scale(loss: torch.Tensor, scale: float) -> torch.Tensor:
@@ -247,7 +259,7 @@ def zero_if_unweighted(meta_or_batch: Any, loss: torch.Tensor) -> torch.Tensor:
     """`loss` unchanged, or 0 with the graph kept (also for a NaN loss) on a step whose
     loss scale is 0 (a pad, a batch without loss tokens): for a loss already divided
     by `StepMeta.loss_denominator`, the pad-step rule of `scaled_loss`."""
-    if step_meta(meta_or_batch).loss_scale == 0.0:
+    if read_step_meta(meta_or_batch).loss_scale == 0.0:
         return apply_scale(loss, 0.0)
     return loss
 
@@ -274,7 +286,7 @@ def causal_lm_loss(
     dtype if wider). A pad step, or a window with no loss token, gives 0 x the
     sum, which keeps the graph, so DDP/FSDP still run their collectives.
     """
-    meta = step_meta(meta_or_batch)
+    meta = read_step_meta(meta_or_batch)
     if shift:
         logits = logits[..., :-1, :]
         labels = labels[..., 1:]

@@ -6,7 +6,7 @@ prefetched batch is trained once, after the resume.
 
     passes = PrefetchedPasses(loader)
     for batch in passes:                 # one pass: the rest of the loader's epoch
-        passes.start(step_meta(batch).step)   # the batch starts training
+        passes.start(read_step_meta(batch).step)   # the batch starts training
         ... passes.state() ... passes.progress()
 """
 

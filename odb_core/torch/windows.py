@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from odb_core.errors import ODBError
-from odb_core.torch.meta import STEP_META_KEY, step_meta
+from odb_core.torch.meta import STEP_META_KEY, read_step_meta
 
 if TYPE_CHECKING:
     from odb_core.protocol import StepInfo
@@ -33,6 +33,6 @@ def next_window(
             )
         window.append(batch)
         infos.append(loader.step_info)
-        if step_meta(batch).sync_gradients:
+        if read_step_meta(batch).sync_gradients:
             break
     return window, infos
