@@ -26,10 +26,12 @@ typecheck: $(STAMP)
 
 # The fast tier (tests/conftest.py, README "Tests"): the pure and in-process tests,
 # no TLC, no ranks or examples as processes; `make check` adds lint and types
-# (under 2 minutes on 2 cores). `make test` still runs every test.
+# (target: under 2 minutes on a quiet 2-core box). `make test` still runs every test.
+# Both tiers run on two pytest-xdist workers, a group per module (tests/conftest.py).
+UNIT_JOBS ?= 2
 FAST := not tlc and not procs and not slow
 fast: $(STAMP)
-	$(VENV)/bin/pytest -m "$(FAST)"
+	$(VENV)/bin/pytest -n $(UNIT_JOBS) --dist loadgroup -m "$(FAST)"
 
 check: lint typecheck fast
 
@@ -38,9 +40,8 @@ check: lint typecheck fast
 # `make slow-tlc` runs those, and CI (.ci/run) runs it after `make test`.
 # Includes the fixed mutation regression (tests/test_oracle_overshoot.py,
 # tests/test_core_edges.py; docs/VERIFICATION.md); `make mutants` is the full run.
-# Two pytest-xdist workers, a group per module (tests/conftest.py): the process
-# tests wait on timers and peers much of the time, which the other worker fills.
-UNIT_JOBS ?= 2
+# The process tests wait on timers and peers much of the time, which the other
+# worker fills.
 unit: $(STAMP)
 	$(VENV)/bin/pytest -n $(UNIT_JOBS) --dist loadgroup -m "not slow_tlc" --durations=15
 
