@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from odb_core.cli.options import enum_choice, int_list, positive_int
+from odb_core.cli.options import add_json_flag, enum_choice, int_list, positive_int, subcommand
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget
 from odb_core.formers import FormerKind
@@ -30,8 +30,10 @@ from odb_core.verify.model import ModelConfig, round_robin_shards
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser(
+    p = subcommand(
+        sub,
         "check",
+        run,
         help="model-check every guarantee (Python checker, TLC, conformance, traces)",
         description=(
             "Explore every reachable state of W ranks x N samples (all arrival orders, "
@@ -112,8 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         + ", ".join(b.value for b in BugVariant),
     )
     p.add_argument("--max-states", type=positive_int, default=2_000_000)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=run)
+    add_json_flag(p)
 
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:

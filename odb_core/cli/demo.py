@@ -6,6 +6,7 @@ import argparse
 import time
 from collections.abc import Callable
 
+from odb_core.cli.options import subcommand
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget
 from odb_core.verify.bugs import BugVariant
@@ -15,8 +16,7 @@ from odb_core.verify.model import ModelConfig, round_robin_shards
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("demo", help="a short tour of what odb-core checks and does")
-    p.set_defaults(run=run)
+    subcommand(sub, "demo", run, help="a short tour of what odb-core checks and does")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import sys
 from typing import Any
 
-from odb_core.cli.options import enum_choice, positive_int
+from odb_core.cli.options import (
+    add_json_flag,
+    add_progress_flag,
+    enum_choice,
+    positive_int,
+    progress_bar,
+    subcommand,
+    wants_progress,
+)
 from odb_core.config import Sharding
 from odb_core.verify.bugs import BugVariant
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser(
+    p = subcommand(
+        sub,
         "fuzz",
+        run,
         help="random and hypothesis-driven adversarial schedules at large world sizes",
         description=(
             "Drive W odb_core RankMachines (W up to --ranks, at most 1024) through random "
@@ -49,9 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "the core each round (the hypothesis searches stay static)",
     )
     p.add_argument("--replay", type=int, default=None, metavar="SEED", help="rerun one schedule")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=run)
+    add_json_flag(p)
+    add_progress_flag(p)
 
 
 def _ranks(text: str) -> int:
@@ -134,10 +141,6 @@ def _fuzz_passes(bug: BugVariant, args: argparse.Namespace) -> int:
 
 
 def _bar(args: argparse.Namespace) -> Any:
-    if args.json or args.no_progress or not sys.stderr.isatty():
+    if not wants_progress(args):
         return None
-    try:
-        tqdm = importlib.import_module("tqdm").tqdm
-    except ImportError:
-        return None
-    return tqdm(total=args.schedules, desc="schedules", file=sys.stderr, leave=False)
+    return progress_bar(total=args.schedules, desc="schedules")

@@ -1,10 +1,15 @@
-"""Argument types shared by subcommands: each rejects a bad value by naming it."""
+"""What the subcommands' parsers share: argument types (each rejects a bad value by
+naming it), the subcommand's parser, the output flags, and the progress bar."""
 
 from __future__ import annotations
 
 import argparse
 import enum
-from typing import TypeVar
+import importlib
+import math
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -41,7 +46,7 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def enum_choice(kind: type[E]) -> argparse._ActionsContainer | object:
+def enum_choice(kind: type[E]) -> Callable[[str], E]:
     """argparse `type=` that maps a value to `kind`, listing the choices on error."""
 
     def parse(text: str) -> E:
@@ -55,3 +60,62 @@ def enum_choice(kind: type[E]) -> argparse._ActionsContainer | object:
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return v
+
+
+def positive_int_list(text: str) -> list[int]:
+    """A comma-separated list of integers >= 1, each rejected by `positive_int`."""
+    return [positive_int(part.strip()) for part in text.split(",")]
+
+
+def str_list(text: str) -> list[str]:
+    """A comma-separated list, blanks dropped."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+# ---- parsers ---------------------------------------------------------------------
+
+
+def subcommand(
+    sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    *,
+    help: str,
+    description: str | None = None,
+) -> argparse.ArgumentParser:
+    """The parser of subcommand `name`, which `run` runs."""
+    p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(run=run)
+    return p
+
+
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_progress_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true")
+
+
+def wants_progress(args: argparse.Namespace) -> bool:
+    """A progress bar is shown on a terminal, unless --json or --no-progress."""
+    return not args.json and not args.no_progress and sys.stderr.isatty()
+
+
+def progress_bar(**kwargs: Any) -> Any:
+    """A tqdm bar on stderr (`total`, `desc`, ...), or None where tqdm is not installed."""
+    try:
+        tqdm = importlib.import_module("tqdm").tqdm
+    except ImportError:
+        return None
+    return tqdm(file=sys.stderr, leave=False, **kwargs)

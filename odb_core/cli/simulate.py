@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
-import sys
 import time
 from typing import Any
 
-from odb_core.cli.options import positive_float, positive_int
+from odb_core.cli.options import (
+    add_json_flag,
+    add_progress_flag,
+    nonneg_float,
+    positive_float,
+    positive_int,
+    positive_int_list,
+    progress_bar,
+    str_list,
+    subcommand,
+    wants_progress,
+)
 from odb_core.config import OversizePolicy, Sharding, default_buffer_size
 from odb_core.errors import ConfigError
 from odb_core.formers import FormerKind
@@ -30,8 +39,10 @@ _STRATEGIES = (
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser(
+    p = subcommand(
+        sub,
         "simulate",
+        run,
         help="simulate an epoch of W ranks under each batching strategy",
         description=(
             "Discrete-event simulation of one epoch: DataLoader workers, the batcher, the "
@@ -40,6 +51,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
             "parameter can be set with --hw KEY=VALUE (see docs/SIMULATOR.md)."
         ),
     )
+    _add_run_options(p)
+    _add_batching_options(p)
+    _add_epoch_options(p)
+    _add_pipeline_options(p)
+    _add_fault_options(p)
+    p.add_argument("--tail-window", type=positive_int, default=12, help="steps in the plotted tail")
+    p.add_argument("--markdown", action="store_true", help="print one markdown table of all runs")
+    add_json_flag(p)
+    p.add_argument("--plot", default=None, metavar="OUT.png")
+    add_progress_flag(p)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """What is simulated: the workloads, the world sizes and the strategies."""
     p.add_argument(
         "--workload",
         default="ultrachat",
@@ -47,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--samples", type=positive_int, default=20_000, help="samples per epoch")
     p.add_argument(
-        "--ranks", type=_int_list, default=[8], help="world size W, or a list such as 8,16"
+        "--ranks", type=positive_int_list, default=[8], help="world size W, or a list such as 8,16"
     )
     p.add_argument(
         "--nodes",
@@ -58,11 +83,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--gpus-per-node", type=positive_int, default=8)
     p.add_argument(
         "--strategies",
-        type=_str_list,
+        type=str_list,
         default=list(_STRATEGIES),
         help=f"comma-separated subset of {','.join(_STRATEGIES)}",
     )
     p.add_argument("--seed", type=int, default=0)
+
+
+def _add_batching_options(p: argparse.ArgumentParser) -> None:
+    """The budget, the cost model and odb's window, former and early forms."""
     p.add_argument(
         "--budget", type=positive_int, default=None, help="token budget (default: memory model)"
     )
@@ -97,7 +126,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument(
         "--early-form-wait",
-        type=_nonneg_float,
+        type=nonneg_float,
         default=0.25,
         metavar="S",
         help="seconds of expected preprocessing for the rest of the window above "
@@ -112,6 +141,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "(dynamic, the default, as the loader's) or a fixed 1/W shard per rank (static; "
         "the default with --early-form, which is static-only, and --cost padded)",
     )
+
+
+def _add_epoch_options(p: argparse.ArgumentParser) -> None:
+    """Epochs in a row (the learned cost table), the quota and the oversize policy."""
     p.add_argument(
         "--epochs",
         type=positive_int,
@@ -122,7 +155,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument(
         "--epoch-noise",
-        type=_nonneg_float,
+        type=nonneg_float,
         default=0.1,
         metavar="SIGMA",
         help="relative spread (log-normal sigma) of a sample's cost from one epoch to the "
@@ -141,12 +174,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="solo",
         help="policy for one sample over the budget (default solo)",
     )
+
+
+def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    """The DataLoader, bmt's buckets, the cached lengths and the hardware."""
     p.add_argument("--workers", type=positive_int, default=4, help="DataLoader workers per rank")
     p.add_argument("--prefetch-factor", type=positive_int, default=2)
     p.add_argument("--bmt-bucket", type=positive_int, default=4096, help="bmt mega-bucket size")
     p.add_argument(
         "--length-noise",
-        type=_nonneg_float,
+        type=nonneg_float,
         default=None,
         help="relative noise of cached vs observed length (default per workload)",
     )
@@ -158,38 +195,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         metavar="KEY=VALUE",
         help="override a hardware/model/network parameter, e.g. --hw mfu=0.35",
     )
+
+
+def _add_fault_options(p: argparse.ArgumentParser) -> None:
+    """Stragglers, stalled workers, slow collectives, a dead rank (see `_faults`)."""
     p.add_argument("--straggler", action="append", default=[], metavar="RANK:FACTOR")
     p.add_argument("--stall", action="append", default=[], metavar="RANK:WORKER:AT_S:DUR_S")
     p.add_argument("--slow-collectives", default=None, metavar="PROB:FACTOR")
     p.add_argument("--kill-rank", default=None, metavar="RANK:AT_S")
     p.add_argument("--peer-timeout", type=positive_float, default=60.0)
-    p.add_argument("--tail-window", type=positive_int, default=12, help="steps in the plotted tail")
-    p.add_argument("--markdown", action="store_true", help="print one markdown table of all runs")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", default=None, metavar="OUT.png")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=run)
-
-
-def _int_list(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        out.append(positive_int(part.strip()))
-    return out
-
-
-def _str_list(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return v
 
 
 def _parts(text: str, n: int, what: str) -> list[str]:
@@ -231,7 +245,7 @@ def _hw_overrides(items: list[str]) -> dict[str, float | bool]:
 
 
 def _workloads(text: str) -> list[str]:
-    names = list(_WORKLOADS) if text == "all" else _str_list(text)
+    names = list(_WORKLOADS) if text == "all" else str_list(text)
     if not names:
         raise ConfigError(f"--workload {text!r} names no workload")
     for n in names:
@@ -329,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
 
     configs = build_configs(args)
     start = time.perf_counter()
-    show = not args.json and not args.no_progress and sys.stderr.isatty()
+    show = wants_progress(args)
     runs = []
     for cfg in configs:
         bar = _progress_bar(cfg, show)
@@ -363,18 +377,8 @@ def run(args: argparse.Namespace) -> int:
 def _progress_bar(cfg: Any, show: bool) -> Any:
     if not show:
         return None
-    try:
-        tqdm = importlib.import_module("tqdm").tqdm
-    except ImportError:
-        return None
     total = cfg.workload.n * len(cfg.strategies)
-    return tqdm(
-        total=total,
-        desc=f"{cfg.workload.name} W={cfg.ranks}",
-        unit="sample",
-        file=sys.stderr,
-        leave=False,
-    )
+    return progress_bar(total=total, desc=f"{cfg.workload.name} W={cfg.ranks}", unit="sample")
 
 
 def demo_section() -> bool:

@@ -6,17 +6,80 @@ property holds and a short reason when it does not.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from odb_core.assign import dynamic_bounds
-from odb_core.config import Mode
-from odb_core.cost import BatchStats
+from odb_core.config import Mode, ProtocolConfig
+from odb_core.cost import BatchStats, Budget, CostModel
 from odb_core.errors import ODBError
 from odb_core.protocol import RankMachine, RankPhase, decide_round, rounds_bound, steps_bound
 from odb_core.sample import Sample
 from odb_core.verify.model import GlobalState, ModelConfig
 
 Check = Callable[[GlobalState, ModelConfig], "str | None"]
+Counts = tuple[int, int, int]
+
+
+# ---- the invariants' predicates on plain data ------------------------------------
+# Each decides one part of a guarantee from what a driver holds, so the checks on a
+# global state below and a driver without one (simulator/fuzz, which checks what W
+# rank machines emit) decide it by the same code.
+
+
+def over_budget(
+    samples: Sequence[Sample], oversize: bool, budget: Budget, model: CostModel
+) -> bool:
+    """BudgetSafety of one batch: it does not fit the budget and is not a single
+    sample over the budget alone (the oversize policy's solo batch)."""
+    if budget.fits(BatchStats.of(samples), model):
+        return False
+    return not (len(samples) == 1 and oversize)
+
+
+def not_exactly_once(delivered: Sequence[int], carried: Collection[int] = ()) -> list[int]:
+    """IdentityCoverage and QuotaClosure: the ids that were not emitted, or carried
+    to the ledger, exactly once (`delivered[i]`: real emissions of id i)."""
+    return [i for i, d in enumerate(delivered) if d + (i in carried) != 1]
+
+
+def ran_dry(
+    delivered: Sequence[int],
+    shards: Iterable[Iterable[Sample]],
+    exhausted: Iterable[bool],
+    dynamic: bool,
+) -> bool:
+    """QuotaClosure: some rank ran dry. Static: it emitted its whole shard; dynamic:
+    it emitted all it was dealt once the plan was dealt out (it found its source
+    exhausted)."""
+    if dynamic:
+        return any(exhausted)
+    return any(all(delivered[s.id] for s in shard) for shard in shards)
+
+
+def quota_closed(emitted: int, quota: int | None, dry: bool) -> bool:
+    """QuotaClosure: a quota epoch closes once its global quota is met or a rank ran dry."""
+    met = quota is not None and emitted >= quota
+    return met or dry
+
+
+def breaks_window_rule(p: ProtocolConfig, steps: int, loss: int) -> bool:
+    """WindowAlignment: an optimizer window that is not the epoch's last closed
+    against its rule: after `grad_accum_steps` steps, or at the first step whose
+    window's global loss tokens reach `tokens_per_update`."""
+    if p.tokens_per_update is not None:
+        return loss < p.tokens_per_update
+    return steps != p.accum_steps
+
+
+def summed(counts: Iterable[Counts]) -> Counts:
+    """ExactLossScaling: the (samples, cost tokens, loss tokens) of a step summed over
+    the ranks' local counts, which its global counts must equal."""
+    samples = tokens = loss = 0
+    for n, t, lt in counts:
+        samples += n
+        tokens += t
+        loss += lt
+    return samples, tokens, loss
 
 
 def type_ok(state: GlobalState, cfg: ModelConfig) -> str | None:
@@ -130,7 +193,7 @@ def identity_coverage(state: GlobalState, cfg: ModelConfig) -> str | None:
     if state.ledger:
         return f"join mode carried ids to a ledger: {sorted(state.ledger)}"
     if state.all_done:
-        missing = [i for i, d in enumerate(state.delivered) if d != 1]
+        missing = not_exactly_once(state.delivered)
         if missing:
             return f"epoch ended without emitting ids exactly once: {missing}"
     return None
@@ -139,18 +202,14 @@ def identity_coverage(state: GlobalState, cfg: ModelConfig) -> str | None:
 def quota_closure(state: GlobalState, cfg: ModelConfig) -> str | None:
     if cfg.protocol.mode is not Mode.QUOTA or not state.all_done:
         return None
-    wrong = [i for i, d in enumerate(state.delivered) if d + (1 if i in state.ledger else 0) != 1]
+    wrong = not_exactly_once(state.delivered, state.ledger)
     if wrong:
         return f"closed epoch neither emitted nor carried ids exactly once: {wrong}"
     emitted = sum(state.delivered)
     quota = cfg.protocol.quota
-    met = quota is not None and emitted >= quota
-    if cfg.protocol.dynamic:
-        # A rank ran dry: it emitted all it was dealt once the plan was dealt out.
-        dry = any(rs.exhausted for rs in state.ranks)
-    else:
-        dry = any(all(state.delivered[s.id] for s in shard) for shard in cfg.shards)
-    if not (met or dry):
+    exhausted = (rs.exhausted for rs in state.ranks)
+    dry = ran_dry(state.delivered, cfg.shards, exhausted, cfg.protocol.dynamic)
+    if not quota_closed(emitted, quota, dry):
         return f"epoch closed with {emitted} samples, quota {quota} unmet and no rank dry"
     counts = state.step_counts[0]
     if quota is not None and counts and emitted - counts[-1][0] >= quota:
@@ -165,9 +224,7 @@ def budget_safety(state: GlobalState, cfg: ModelConfig) -> str | None:
     budget, model = cfg.protocol.budget, cfg.protocol.cost_model
     for r, rs in enumerate(state.ranks):
         for b in rs.ready:
-            if budget.fits(BatchStats.of(b.samples), model):
-                continue
-            if len(b.samples) == 1 and b.oversize:
+            if not over_budget(b.samples, b.oversize, budget, model):
                 continue
             return f"rank {r} formed batch {b.ids} over budget {budget.tokens}"
     return None
@@ -240,10 +297,9 @@ def exact_loss_scaling(state: GlobalState, cfg: ModelConfig) -> str | None:
     observed = _observed(cfg)
     for t in range(min(len(b) for b in state.step_batches)):
         at = [b[t] for b in state.step_batches]
-        total = (
-            sum(len(b) for b in at),
-            sum(observed[i].length for b in at for i in b),
-            sum(observed[i].loss for b in at for i in b),
+        total = summed(
+            (len(b), sum(observed[i].length for i in b), sum(observed[i].loss for i in b))
+            for b in at
         )
         if state.step_counts[0][t] != total:
             got = state.step_counts[0][t]
@@ -322,12 +378,11 @@ def window_alignment(state: GlobalState, cfg: ModelConfig) -> str | None:
             last = i == len(rs.windows) - 1 and rs.phase is RankPhase.DONE
             if w.end <= start:
                 return f"rank {r} closed an empty window {i}"
-            if last:
+            if last or not breaks_window_rule(p, w.end - start, w.loss):
                 continue
-            if p.tokens_per_update is None and w.end - start != p.accum_steps:
+            if p.tokens_per_update is None:
                 return f"rank {r} window {i} ran {w.end - start} steps, not {p.accum_steps}"
-            if p.tokens_per_update is not None and w.loss < p.tokens_per_update:
-                return f"rank {r} window {i} closed at {w.loss} < {p.tokens_per_update} tokens"
+            return f"rank {r} window {i} closed at {w.loss} < {p.tokens_per_update} tokens"
     rounds = {rs.round for rs in state.ranks}
     if len(rounds) == 1:
         first = state.ranks[0]
