@@ -2,7 +2,7 @@
 `Qwen3VLForConditionalGeneration` built from a small config (vision tower and
 language model, no download), the batch collator (padded rows, or packed rows
 with each sample's own multimodal positions), `--lora`'s PEFT adapters, and the
-hooks `odb_core.bench.model_bench` runs it through (`VLMWorkload`)."""
+hooks a rank of `odb_core.bench.model_bench` runs it through (`VLMWorkload`)."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ class VLMCollate:
 
 
 class VLMWorkload:
-    """What `model_bench.run_rank` needs of a workload, for the VLM mix."""
+    """What a bench rank (`model_setup.RankSetup`) needs of a workload, for the VLM mix."""
 
     text_only = False
     # a step whose batch holds no image leaves the vision tower without gradients

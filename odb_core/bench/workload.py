@@ -104,7 +104,7 @@ def build_model(size: str, max_len: int, seed: int) -> Any:
 
 
 class TextWorkload:
-    """What `model_bench.run_rank` needs of a workload, for the text set."""
+    """What a bench rank (`model_setup.RankSetup`) needs of a workload, for the text set."""
 
     text_only = True
     find_unused_parameters = False

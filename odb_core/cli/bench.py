@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from odb_core.cli.options import positive_int
@@ -35,6 +32,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="real multi-process CPU training: ODBDataLoader vs DataLoader(batch_size=8)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
+    _add_loader_options(p)
+    m = _add_model_options(p)
+    _add_quality_options(p)
+    # last in the --model group, yet added after the quality group: its place in usage
+    m.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="throughput bars + timeline (PNG); with --quality: held-out loss vs wall time",
+    )
+    p.set_defaults(run=run)
+
+
+def _add_loader_options(p: argparse.ArgumentParser) -> None:
+    """The options of `odb bench` itself (the ranks, the loader bench's workload)."""
     p.add_argument("--ranks", type=positive_int, default=2, help="gloo ranks (default 2)")
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
     p.add_argument(
@@ -64,6 +76,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="give up after (seconds; 600, 3600 with --model)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The real-model group (`--model`); returned, so `--plot` can join it last."""
     m = p.add_argument_group(
         "real-model training (--model)",
         "train a LlamaForCausalLM built from a config (no download) with DDP, one epoch per "
@@ -130,6 +146,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "qwen3-vl-tiny: standard, grouped, grouped-estimate, gmt, odb-padded, odb-packed; with "
         "--quality also odb-linear-lr)",
     )
+    return m
+
+
+def _add_quality_options(p: argparse.ArgumentParser) -> None:
+    """The time-to-quality group (`--model ... --quality`)."""
     q = p.add_argument_group(
         "time to quality (--model ... --quality)",
         "several epochs per strategy and seed (--repeats seeds, interleaved), held-out loss "
@@ -149,24 +170,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="samples of the finetune regime's first training (default: --samples)",
     )
-    m.add_argument(
-        "--plot",
-        default=None,
-        metavar="FILE",
-        help="throughput bars + timeline (PNG); with --quality: held-out loss vs wall time",
-    )
-    p.set_defaults(run=run)
 
 
 def run_model(args: argparse.Namespace) -> int:
-    from odb_core.bench import model_bench, model_output
+    from odb_core.bench import model_bench, model_options, model_output
 
     if args.workers < 0:
         raise ValueError(f"--workers={args.workers!r} must be >= 0")
     if args.strategies is None:
-        default = model_bench.QUALITY_DEFAULT if args.quality else model_bench.THROUGHPUT_DEFAULT
-        if args.model in model_bench.VLM_MODELS:
-            default = model_bench.VLM_QUALITY_DEFAULT if args.quality else model_bench.VLM_DEFAULT
+        default = (
+            model_options.QUALITY_DEFAULT if args.quality else model_options.THROUGHPUT_DEFAULT
+        )
+        if args.model in model_options.VLM_MODELS:
+            default = (
+                model_options.VLM_QUALITY_DEFAULT if args.quality else model_options.VLM_DEFAULT
+            )
         requested = list(default)
     else:
         requested = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -242,7 +260,8 @@ def bench(
     start_method: str = "fork",
     timeout: float = 600,
 ) -> dict[str, Any]:
-    import torch.multiprocessing as mp
+    from odb_core.bench import loader_bench
+    from odb_core.bench.launch import run_ranks
 
     params = {
         "ranks": ranks,
@@ -253,29 +272,17 @@ def bench(
         "mean_len": mean_len,
         "start_method": start_method,
     }
-    with tempfile.TemporaryDirectory(prefix="odb-bench-") as tmp:
-        out = Path(tmp) / "result.json"
-        from odb_core.bench.launch import free_port
-
-        port = free_port()
-        ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, ranks, port, params, str(out)), daemon=False)
-            for r in range(ranks)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-            p.join()
-        if hung or any(p.exitcode != 0 for p in procs) or not out.exists():
-            codes = [p.exitcode for p in procs]
-            raise RuntimeError(f"bench ranks failed or timed out (exit codes {codes})")
-        result: dict[str, Any] = json.loads(out.read_text())
+    ran = run_ranks(
+        loader_bench.run_rank,
+        ranks,
+        params,
+        timeout=timeout,
+        gloo_timeout_s=120,
+        prefix="odb-bench-",
+    )
+    if not ran.ok:
+        raise RuntimeError(f"bench ranks failed or timed out (exit codes {ran.exit_codes})")
+    result: dict[str, Any] = ran.result
     result["params"] = params
     return result
 
@@ -327,26 +334,3 @@ def demo_section() -> bool:
     print_table(result)
     print(f"(bench section took {time.perf_counter() - start:.1f}s)")
     return bool(result["ok"])
-
-
-# ---- rank processes ------------------------------------------------------------
-
-
-def _rank_main(rank: int, world: int, port: int, params: dict[str, Any], out: str) -> None:
-    import torch.distributed as dist
-
-    from odb_core.bench import loader_bench
-    from odb_core.bench.launch import init_local_gloo, release_child_resources
-
-    init_local_gloo(rank, world, port, timeout_s=120)
-    try:
-        result = loader_bench.run_rank(rank, world, params)
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-        release_child_resources()
-
-
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else 0.0
