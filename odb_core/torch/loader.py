@@ -265,14 +265,18 @@ class ODBDataLoader(LoaderFacts):
         self._guard.inodes = getattr(self.transport, "socket_inodes", frozenset())
         self._init_state()
         if self.rank == 0:
-            d = self.describe()
-            log.info(
-                "odb: sharding=%s (%s); window_bytes=%s (%s)",
-                d["sharding"],
-                d["sharding_reason"],
-                d["window_bytes"],
-                d["window_bytes_reason"],
-            )
+            self._log_choices()
+
+    def _log_choices(self) -> None:
+        """One log line: the sharding and the window's byte bound in force, and why."""
+        d = self.describe()
+        log.info(
+            "odb: sharding=%s (%s); window_bytes=%s (%s)",
+            d["sharding"],
+            d["sharding_reason"],
+            d["window_bytes"],
+            d["window_bytes_reason"],
+        )
 
     def _init_state(self) -> None:
         """The loader's state before its first iteration."""
