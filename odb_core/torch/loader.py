@@ -31,8 +31,8 @@ This module is the loader's face: construction, iteration, the facts it reports
 and its lifecycle. Its parts: the options (torch/options.py), this rank's source
 and its per-epoch indices (rank_source.py), the epoch selection
 (epoch_select.py), the iterator of a pass (epoch_iter.py), the checks of a
-loaded state (loader_resume.py), the length (length.py) and the protocol
-thread (pipeline.py).
+loaded state (loader_resume.py), the length (length.py), the epoch's runner
+(pipeline.py) and its round loop (rounds.py).
 """
 
 from __future__ import annotations
