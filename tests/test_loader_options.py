@@ -75,3 +75,23 @@ def test_a_bad_value_is_named(kw: dict[str, Any], match: str) -> None:
 def test_an_unknown_option_is_named() -> None:
     with pytest.raises(ConfigError, match=r"\['tokenbudget'\]"):
         opts.LoaderOptions.of(token_budget=4, tokenbudget=3)
+
+
+def test_odb_arguments_are_loader_options_with_the_loaders_defaults() -> None:
+    """`ODBArguments` (the HF adapter's) holds loader options under their names, at the
+    loader's defaults, but for those whose default is the Trainer's."""
+    pytest.importorskip("transformers")
+    from odb_core.integrations.hf_args import ODBArguments
+
+    trainers = {"cost_model", "shuffle", "seed", "label_shift"}
+    own = {"token_budget", "lr_tokens", "loader_kwargs"}
+    for f in fields(ODBArguments):
+        if f.name in own:
+            continue
+        assert f.name in opts.OPTION_DEFAULTS, f.name
+        if f.name not in trainers:
+            assert f.default == opts.OPTION_DEFAULTS[f.name], f.name
+    assert ODBArguments(token_budget=8).loader_options() == {
+        "token_budget": 8,
+        "cost_model": "padded",
+    }

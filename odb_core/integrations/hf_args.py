@@ -7,17 +7,21 @@ each error naming the field to change, and the loader's options of a run from bo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
 from transformers import TrainingArguments
 
+from odb_core.config import LossNormalization
+from odb_core.cost import CostKind, CostModel
 from odb_core.errors import ConfigError
 from odb_core.integrations.versions import warn_once
 from odb_core.schedule import TokenScaling
 from odb_core.torch.adapter_options import check_options, trainer_windows
+from odb_core.torch.measure import CostFn
+from odb_core.torch.options import OPTION_DEFAULTS
 
 __all__ = [
     "WORKER_OPTIONS",
@@ -47,34 +51,44 @@ _NO_TOKENS = (
 _TRAINER_FIELDS = ("loader_kwargs", "lr_tokens")
 
 
+#: The `ODBDataLoader` options' defaults, which `ODBArguments` starts from.
+_LOADER = OPTION_DEFAULTS
+
+
 @dataclasses.dataclass
 class ODBArguments:
     """ODB's loader options for `ODBHFTrainer` (what `TrainingArguments` has no field for).
 
-    `cost_model` defaults to `"padded"` (the loader's default is `"packed"`): an HF
-    `data_collator` pads, and a padded batch costs rows x its longest row; pass
-    `"packed"` with a packing collator. `None` leaves the `ODBDataLoader` default,
-    except `shuffle` (default: True, or False with
-    `train_sampling_strategy="sequential"`), `seed` (default:
-    `data_seed`, else `seed`) and `label_shift` (0 for an encoder-decoder model).
+    Each field but `lr_tokens` and `loader_kwargs` is the `ODBDataLoader` option of
+    the same name, documented in its group (odb_core.torch.options), with the
+    loader's default, except four whose default is the Trainer's:
+
+    - `cost_model` defaults to `"padded"` (the loader's is `"packed"`): an HF
+      `data_collator` pads, and a padded batch costs rows x its longest row; pass
+      `"packed"` with a packing collator.
+    - `shuffle` (None: True, or False with `train_sampling_strategy="sequential"`),
+      `seed` (None: `data_seed`, else `seed`) and `label_shift` (None: 0 for an
+      encoder-decoder model, else the loader's 1).
+
     Any other `ODBDataLoader` argument goes in `loader_kwargs` (or, with a dict,
-    as a plain key). The trainer sets `collate_fn` (`data_collator`),
-    `grad_accum_steps` (`gradient_accumulation_steps`; another value raises) and
-    the worker options (`dataloader_*`) itself.
+    as a plain key); a field left at its default counts as not given there. The
+    trainer sets `collate_fn` (`data_collator`), `grad_accum_steps`
+    (`gradient_accumulation_steps`; another value raises) and the worker options
+    (`dataloader_*`) itself.
     """
 
     token_budget: float
-    cost_model: Any = "padded"
+    cost_model: CostModel | CostKind | str = "padded"
     shuffle: bool | None = None
     seed: int | None = None
-    deterministic: bool | None = None
-    max_samples: int | None = None
-    buffer_size: int | None = None
-    max_steps_per_round: int | None = None
-    loss_normalization: str | None = None
+    deterministic: bool = _LOADER["deterministic"]
+    max_samples: int | None = _LOADER["max_samples"]
+    buffer_size: int | None = _LOADER["buffer_size"]
+    max_steps_per_round: int = _LOADER["max_steps_per_round"]
+    loss_normalization: LossNormalization | str = _LOADER["loss_normalization"]
     label_shift: int | None = None
-    peer_timeout: float | None = None
-    cost_fn: Callable[[Any], Any] | None = None
+    peer_timeout: float = _LOADER["peer_timeout"]
+    cost_fn: CostFn | None = _LOADER["cost_fn"]
     lr_tokens: TokenScaling | None = None
     loader_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -96,18 +110,27 @@ class ODBArguments:
         )
 
     def loader_options(self, warned: set[str] | None = None) -> dict[str, Any]:
-        """The keyword arguments for `ODBDataLoader` (those left None omitted), checked
-        (`check_options`; `warned`: the keys already warned about)."""
+        """The keyword arguments for `ODBDataLoader` (those left None or at the loader's
+        default omitted), checked (`check_options`; `warned`: the keys already warned
+        about)."""
         opts = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in _TRAINER_FIELDS and getattr(self, f.name) is not None
+            if f.name not in _TRAINER_FIELDS and _given(f.name, getattr(self, f.name))
         }
         for key, value in self.loader_kwargs.items():
             if key in opts:
                 raise ConfigError(f"odb option {key!r} given twice")
             opts[key] = value
         return check_options("ODBHFTrainer odb", opts, _OWNED, set() if warned is None else warned)
+
+
+def _given(name: str, value: Any) -> bool:
+    """Whether an `ODBArguments` field says more than the loader's default."""
+    if value is None:
+        return False
+    default = OPTION_DEFAULTS.get(name, dataclasses.MISSING)
+    return default is dataclasses.MISSING or type(value) is not type(default) or value != default
 
 
 def check_training_args(

@@ -84,7 +84,7 @@ def _cost_model(odb: ODBArguments) -> CostModel:
     model = odb.cost_model
     if isinstance(model, (str, CostKind)):
         return make_cost_model(model)
-    return model  # type: ignore[no-any-return]
+    return model
 
 
 def check_sft_config(config: Any, odb: ODBArguments) -> None:
