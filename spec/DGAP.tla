@@ -27,7 +27,7 @@
 (* shard; each starts with an initial share of the Plan and every round's  *)
 (* Deal, computed by every rank from the same gathered vectors, says how   *)
 (* many of the next plan ids each rank loads (proofs/dynamic_sharding.md). *)
-(* With AnyPlacement the deal's count is split by any placement, agreed   *)
+(* With AnyPlacement the deal's count is split by any placement, agreed    *)
 (* by all ranks at AllGather (placement): an adversarial pricing.          *)
 (*                                                                         *)
 (* A batch is the set of its sample ids: the order inside a batch and its  *)
