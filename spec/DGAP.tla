@@ -27,6 +27,8 @@
 (* shard; each starts with an initial share of the Plan and every round's  *)
 (* Deal, computed by every rank from the same gathered vectors, says how   *)
 (* many of the next plan ids each rank loads (proofs/dynamic_sharding.md). *)
+(* With AnyPlacement the deal's count is split by any placement, agreed    *)
+(* by all ranks at AllGather (placement): an adversarial pricing.          *)
 (*                                                                         *)
 (* A batch is the set of its sample ids: the order inside a batch and its  *)
 (* oversize flag are functions of that set.  Oversized samples follow the  *)
@@ -57,6 +59,7 @@ CONSTANTS
     Target,         \* dynamic sharding: the configured target (DealTarget bounds it)
     Carried,        \* quota mode: ids this pass took over from the last one's ledger
     EarlyForm,      \* least partial window a rank may form early (FormEarly); 0 = never
+    AnyPlacement,   \* dynamic sharding: a round's deal is split by any placement (Pricing)
     NoValue         \* model value: no contribution / empty inbox
 
 Ranks == 0 .. W - 1
@@ -88,6 +91,7 @@ ASSUME
     /\ Carried \subseteq Ids /\ (Mode = "join" => Carried = {})
     /\ EarlyForm \in Nat
     /\ EarlyForm > 0 => EarlyForm < K /\ Mode = "join" /\ ~Dynamic
+    /\ AnyPlacement \in BOOLEAN /\ (AnyPlacement => Dynamic)
 
 VARIABLES
     phase,          \* per rank: "filling" | "waiting" | "done"
@@ -110,12 +114,15 @@ VARIABLES
     delivered,      \* per id: how many times it was emitted in a real batch
     ledger,         \* ids carried to the next epoch by a quota-mode close
     step_batches,   \* per rank: the batch run at each of its steps, {} for a pad
-    step_counts     \* per rank: <<global samples, cost tokens, loss tokens>> of each
+    step_counts,    \* per rank: <<global samples, cost tokens, loss tokens>> of each
                     \* step it ran, as it decided them from the gathered vectors
+    placement       \* AnyPlacement: the split of the gathered round's deal every rank
+                    \* loads its slice of, agreed at AllGather; NoValue when no round
+                    \* is in flight (always NoValue without AnyPlacement)
 
 rankVars == <<phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution,
              window_loss, window_local, windows, cursor, formed>>
-vars == <<rankVars, pending, inbox, delivered, ledger, step_batches, step_counts>>
+vars == <<rankVars, pending, inbox, delivered, ledger, step_batches, step_counts, placement>>
 
 -----------------------------------------------------------------------------
 (* Arithmetic helpers (TLC 2.15 ships no CommunityModules).                *)
@@ -275,13 +282,22 @@ Deal(g, k, planLeft) == DealUpTo(g, k, DealCap(k, planLeft))
 \* NoDuplicate, IdentityCoverage and the bounds use only that every rank computes
 \* the same split of a count decided from the gathered vectors alone
 \* (proofs/dynamic_sharding.md, "Pricing"); Deal above is the mean-priced split.
+\* With AnyPlacement the spec checks exactly that: AllGather picks, once per
+\* gathered round, any split of Deal's count (Placements(DealTotal(g))), an
+\* adversarial pricing that every rank agrees on, and every rank loads its
+\* slice of that split (placement) instead of Deal's.  A split need not give a
+\* starved rank its first id: D2 needs only that the round deals one.
 
 \* What rank r loads of deal a: its slice follows the lower ranks' slices.
 SliceStart(r, a) == cursor[r] + SumOver({q \in Ranks : q < r}, a)
 NoDeal == [r \in Ranks |-> 0]
+\* Every split of n ids between the ranks (every placement a pricing can choose).
+Placements(n) == {a \in [Ranks -> 0 .. n] : SumOver(Ranks, a) = n}
 \* The deal rank r reads from the gathered round d was decided on (none when
-\* static or when the round closes the epoch).
-DealOf(r, d) == IF Dynamic /\ ~d.done THEN Deal(inbox[r], d.steps, Len(Plan) - cursor[r])
+\* static or when the round closes the epoch): Deal's split, or the agreed one.
+DealOf(r, d) == IF Dynamic /\ ~d.done
+                THEN IF AnyPlacement THEN placement
+                     ELSE Deal(inbox[r], d.steps, Len(Plan) - cursor[r])
                 ELSE NoDeal
 
 -----------------------------------------------------------------------------
@@ -442,6 +458,7 @@ Init ==
     /\ ledger = {}
     /\ step_batches = [r \in Ranks |-> <<>>]
     /\ step_counts = [r \in Ranks |-> <<>>]
+    /\ placement = NoValue
 
 \* Sample i arrives from rank r's source (in id order when Deterministic; in
 \* plan order with dynamic sharding).
@@ -454,7 +471,7 @@ Observe(r, i) ==
     /\ formed' = [formed EXCEPT ![r] = FALSE]
     /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted, contribution,
                    window_loss, window_local, windows, inbox, delivered, ledger,
-                   step_batches, step_counts, cursor>>
+                   step_batches, step_counts, cursor, placement>>
 
 \* Rank r's source is found dry.
 Exhaust(r) ==
@@ -463,7 +480,7 @@ Exhaust(r) ==
     /\ exhausted' = [exhausted EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<phase, buffer, ready, steps, pads, round, emitted, contribution,
                    window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                   step_batches, step_counts, cursor, formed>>
+                   step_batches, step_counts, cursor, formed, placement>>
 
 \* A starved rank keeps its open batch back: the next deal may fill it.  When
 \* the window formed a single batch, that batch is the open one.
@@ -502,7 +519,7 @@ FormEarly(r) ==
     /\ formed' = [formed EXCEPT ![r] = TRUE]
     /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
                    window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                   step_batches, step_counts, cursor>>
+                   step_batches, step_counts, cursor, placement>>
 
 \* Run the former on the window: a full window, the tail of a dry source, or
 \* the window of a starved rank (formed without flush, once).
@@ -516,7 +533,7 @@ Form(r) ==
        /\ formed' = [formed EXCEPT ![r] = @ \/ short]
     /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
                    window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                   step_batches, step_counts, cursor>>
+                   step_batches, step_counts, cursor, placement>>
 
 \* Enter the round's all-gather with this rank's vector.
 Contribute(r) ==
@@ -525,14 +542,28 @@ Contribute(r) ==
     /\ phase' = [phase EXCEPT ![r] = "waiting"]
     /\ UNCHANGED <<exhausted, buffer, ready, steps, pads, round, emitted,
                    window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                   step_batches, step_counts, cursor, formed>>
+                   step_batches, step_counts, cursor, formed, placement>>
+
+\* With AnyPlacement the round's deal is split by any placement, chosen here once
+\* and agreed by every rank: an adversarial pricing.  All ranks consumed the
+\* same rounds, so they decide the same deal count (rank 0's view stands for all).
+DealTotal(g) ==
+    LET d == Decide(g, emitted[0])
+    IN IF Dynamic /\ ~d.done
+       THEN SumOver(Ranks, Deal(g, d.steps, Len(Plan) - cursor[0]))
+       ELSE 0
 
 \* The collective completes once every rank has contributed and consumed the
-\* previous round; every rank gets the same gathered vectors.
+\* previous round; every rank gets the same gathered vectors (and, with
+\* AnyPlacement, the same placement of the round's deal).
 AllGather ==
     /\ \A r \in Ranks : phase[r] = "waiting" /\ inbox[r] = NoValue
     /\ inbox' = [r \in Ranks |-> contribution]
+    /\ placement' \in IF AnyPlacement THEN Placements(DealTotal(contribution)) ELSE {NoValue}
     /\ UNCHANGED <<rankVars, pending, delivered, ledger, step_batches, step_counts>>
+
+\* The agreed placement is dropped once the last rank has loaded its slice.
+PlacementAfter(r) == IF \A q \in Ranks \ {r} : inbox[q] = NoValue THEN NoValue ELSE placement
 
 \* (`\E x \in {e}` binds e once: TLC does not cache LET values when it
 \* evaluates ENABLED for the fairness condition, and Decide is not cheap.)
@@ -540,8 +571,8 @@ AllGather ==
 \* from the head of its queue and pad steps after them, folding each into its
 \* optimizer window, then either starts the next round or closes the epoch,
 \* carrying what it still holds to the ledger.  With dynamic sharding it loads
-\* its slice of the round's deal (Deal), or, at the close, the ids not dealt
-\* yet are carried too.
+\* its slice of the round's deal (DealOf: Deal's split, or the placement agreed
+\* at AllGather), or, at the close, the ids not dealt yet are carried too.
 Receive(r) ==
     /\ inbox[r] # NoValue
     /\ \E d \in {Decide(inbox[r], emitted[r])} :
@@ -576,6 +607,7 @@ Receive(r) ==
                         @ \cup PlanIds(SliceStart(r, a), SliceStart(r, a) + a[r])]
                   /\ cursor' = [cursor EXCEPT ![r] = @ + SumOver(Ranks, a)]
                   /\ UNCHANGED <<buffer, ledger>>
+    /\ placement' = PlacementAfter(r)
     /\ UNCHANGED <<exhausted, formed>>
 
 AllDone == \A r \in Ranks : phase[r] = "done"
@@ -644,6 +676,7 @@ TypeOK ==
     /\ ledger \subseteq Ids
     /\ step_batches \in [Ranks -> Seq(SUBSET Ids)]
     /\ step_counts \in [Ranks -> Seq(Nat \X Nat \X Nat)]
+    /\ placement \in [Ranks -> Nat] \cup {NoValue}
     /\ \A r \in Ranks : Cardinality(buffer[r]) <= K /\ pads[r] <= steps[r]
 
 \* Ranks that completed the same number of rounds ran the same number of steps.

@@ -13,11 +13,11 @@ EXTENDS Naturals, Sequences, FiniteSets
 
 CONSTANTS W, Shard, SampleLen, SampleLoss, SamplePatches, Budget, MaxSamples, MaxPatches,
           CostModel, K, M, Mode, Quota, Deterministic, AccumSteps, TokensPerUpdate, NoValue,
-          Dynamic, Plan, Target, Carried, EarlyForm, Bug
+          Dynamic, Plan, Target, Carried, EarlyForm, AnyPlacement, Bug
 
 VARIABLES phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution,
           window_loss, window_local, windows, pending, inbox, delivered, ledger,
-          step_batches, step_counts, cursor, formed
+          step_batches, step_counts, cursor, formed, placement
 
 D == INSTANCE DGAP
 \* The decision of quota mode, applied in join mode by join-closes-early.
@@ -41,7 +41,9 @@ Bugs == {
     "any-order",             \* deterministic mode takes samples in any order
     "early-pads",            \* join runs max offered steps: ranks pad mid-epoch
     "no-fairness",           \* the specification assumes no fairness
-    "deal-overlaps"}         \* a rank loads its share of a deal from the cursor on
+    "deal-overlaps",         \* a rank loads its share of a deal from the cursor on
+    "rank-local-placement"}  \* each rank splits a deal by its own pricing: any split of
+                             \* the deal's count, but not the one the others load
 
 ASSUME Bug \in Bugs
 
@@ -63,7 +65,7 @@ Observe(r, i) ==
             /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted,
                            contribution, window_loss, window_local, windows,
                            inbox, delivered, ledger,
-                           step_batches, step_counts, cursor>>
+                           step_batches, step_counts, cursor, placement>>
       [] Bug = "any-order" ->
             /\ D!NeedsSample(r)
             /\ i \in pending[r]
@@ -73,7 +75,7 @@ Observe(r, i) ==
             /\ UNCHANGED <<phase, exhausted, ready, steps, pads, round, emitted,
                            contribution, window_loss, window_local, windows,
                            inbox, delivered, ledger,
-                           step_batches, step_counts, cursor>>
+                           step_batches, step_counts, cursor, placement>>
       [] OTHER -> D!Observe(r, i)
 
 Exhaust(r) == D!Exhaust(r)
@@ -93,7 +95,7 @@ Form(r) ==
                         /\ buffer' = [buffer EXCEPT ![r] = {}]
          /\ UNCHANGED <<phase, exhausted, steps, pads, round, emitted, contribution,
                         window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                           step_batches, step_counts, cursor, formed>>
+                           step_batches, step_counts, cursor, formed, placement>>
     ELSE D!Form(r)
 
 Contribute(r) ==
@@ -109,7 +111,7 @@ Contribute(r) ==
                     IF Bug = "silent-stop" /\ c.final /\ c.offered = 0 THEN "done" ELSE "waiting"]
          /\ UNCHANGED <<exhausted, buffer, ready, steps, pads, round, emitted,
                         window_loss, window_local, windows, pending, inbox, delivered, ledger,
-                           step_batches, step_counts, cursor, formed>>
+                           step_batches, step_counts, cursor, formed, placement>>
     ELSE D!Contribute(r)
 
 AllGather == D!AllGather
@@ -147,13 +149,16 @@ Windows(r, d, real) ==
 
 Receive(r) ==
     IF Bug \in {"no-pads", "pad-repeats-batch", "quota-forgets-ledger", "join-closes-early",
-                "stale-inbox", "early-pads", "window-by-local", "deal-overlaps"}
+                "stale-inbox", "early-pads", "window-by-local", "deal-overlaps",
+                "rank-local-placement"}
     THEN
     /\ inbox[r] # NoValue
     /\ \E d \in {CASE Bug = "join-closes-early" -> DQ!Decide(inbox[r], emitted[r])
                   [] Bug = "early-pads" -> DecideMax(inbox[r])
                   [] OTHER -> D!Decide(inbox[r], emitted[r])} :
-       \E a \in {D!DealOf(r, d)} :
+       \E a \in IF Bug = "rank-local-placement"
+                THEN D!Placements(D!SumOver(Ranks, D!DealOf(r, d)))
+                ELSE {D!DealOf(r, d)} :
        LET real == D!Min2(d.steps, Len(ready[r]))
            rest == SubSeq(ready[r], real + 1, Len(ready[r]))
            carried == buffer[r] \cup UNION {rest[t] : t \in DOMAIN rest}
@@ -191,6 +196,7 @@ Receive(r) ==
                      IN pending' = [pending EXCEPT ![r] = @ \cup D!PlanIds(start, start + a[r])]
                   /\ cursor' = [cursor EXCEPT ![r] = @ + D!SumOver(Ranks, a)]
                   /\ UNCHANGED <<buffer, ledger>>
+    /\ placement' = D!PlacementAfter(r)
     /\ UNCHANGED <<exhausted, formed>>
     ELSE D!Receive(r)
 

@@ -109,6 +109,7 @@ IndInit ==
     /\ windows = [r \in Ranks |-> <<>>]
     /\ cursor = [r \in Ranks |-> 0]
     /\ formed = [r \in Ranks |-> FALSE]
+    /\ placement = NoValue
     /\ emitted \in [Ranks -> 0 .. MaxCount]
     /\ \E c0 \in ContributionChoices(0), c1 \in ContributionChoices(1) :
             contribution = [r \in Ranks |-> IF r = 0 THEN c0 ELSE c1]
@@ -251,6 +252,7 @@ CrossInit ==
     /\ windows = [r \in Ranks |-> <<>>]
     /\ cursor = [r \in Ranks |-> 0]
     /\ formed = [r \in Ranks |-> FALSE]
+    /\ placement = NoValue
     /\ CrossInv
 
 =============================================================================

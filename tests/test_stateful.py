@@ -238,6 +238,7 @@ TestDGAP.settings = SETTINGS
         BugVariant.LOSS_BY_COST,
         BugVariant.WINDOW_BY_LOCAL,
         BugVariant.DEAL_OVERLAPS,
+        BugVariant.RANK_LOCAL_PLACEMENT,
     ],
     ids=lambda b: b.value,
 )

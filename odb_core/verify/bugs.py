@@ -158,6 +158,16 @@ class DealOverlaps(RankMachine):
         return self.cursor, self.cursor + assigned[self.rank]
 
 
+class RankLocalPlacement(RankMachine):
+    """Dynamic sharding: each rank places the round's deal by its own pricing, by
+    which its own held work is the least, so it takes the whole deal: every split is
+    one of the deal's count, but the ranks' splits differ, and two ranks load one id
+    (spec/DGAPBugs.tla `rank-local-placement`: each rank any split of its own)."""
+
+    def _dealt_slice(self, assigned: tuple[int, ...]) -> tuple[int, int]:
+        return self.cursor, self.cursor + sum(assigned)
+
+
 class BugVariant(enum.Enum):
     SILENT_STOP = "silent-stop"
     NO_PADS = "no-pads"
@@ -171,6 +181,7 @@ class BugVariant(enum.Enum):
     WINDOW_BY_LOCAL = "window-by-local"
     CARRY_NOT_FIRST = "carry-not-first"
     DEAL_OVERLAPS = "deal-overlaps"
+    RANK_LOCAL_PLACEMENT = "rank-local-placement"
 
     @property
     def machine(self) -> type[RankMachine]:
@@ -189,8 +200,9 @@ class BugVariant(enum.Enum):
     @property
     def dynamic(self) -> bool:
         """A bug of dynamic sharding (`Sharding.DYNAMIC`): its model deals the plan.
-        spec/DGAP.tla models it too (`Dynamic`; `MCdeal_overlaps_bug`)."""
-        return self is BugVariant.DEAL_OVERLAPS
+        spec/DGAP.tla models it too (`Dynamic`; `MCdeal_overlaps_bug`,
+        `MCrank_local_placement_bug`)."""
+        return self in (BugVariant.DEAL_OVERLAPS, BugVariant.RANK_LOCAL_PLACEMENT)
 
     @property
     def passes(self) -> int:
@@ -213,7 +225,7 @@ class BugVariant(enum.Enum):
         # Loss tokens below the cost (a masked first token, as causal LM labels have),
         # so counting the cost instead shows.
         loss = [max(c - 1, 0) for c in costs]
-        if self is BugVariant.DEAL_OVERLAPS:
+        if self.dynamic:
             dynamic = replace(protocol, sharding=Sharding.DYNAMIC, assign_target=2)
             return dynamic_model(dynamic, costs, loss, machine=self.machine)
         return ModelConfig(protocol, round_robin_shards(costs, world, loss), machine=self.machine)
@@ -229,6 +241,9 @@ _SMALL_MODEL: dict[BugVariant, tuple[tuple[int, ...], int, int]] = {
     BugVariant.WINDOW_BY_LOCAL: ((2, 1, 2, 1, 2, 1), 2, 1),
 }
 
+
+# Two ranks: both are starved in the first round, and each takes the whole deal.
+_SMALL_MODEL[BugVariant.RANK_LOCAL_PLACEMENT] = ((1, 2, 3, 1, 2, 3), 2, 2)
 
 _TOKENS_PER_UPDATE: dict[BugVariant, int] = {BugVariant.WINDOW_BY_LOCAL: 2}
 
@@ -250,6 +265,7 @@ _MACHINES: dict[BugVariant, type[RankMachine]] = {
     BugVariant.WINDOW_BY_LOCAL: WindowByLocal,
     BugVariant.CARRY_NOT_FIRST: CarryNotFirst,
     BugVariant.DEAL_OVERLAPS: DealOverlaps,
+    BugVariant.RANK_LOCAL_PLACEMENT: RankLocalPlacement,
 }
 
 _VIOLATES: dict[BugVariant, str] = {
@@ -265,4 +281,5 @@ _VIOLATES: dict[BugVariant, str] = {
     BugVariant.WINDOW_BY_LOCAL: "WindowAlignment",
     BugVariant.CARRY_NOT_FIRST: "CrossEpochFairness",
     BugVariant.DEAL_OVERLAPS: "NoDuplicate",
+    BugVariant.RANK_LOCAL_PLACEMENT: "NoDuplicate",
 }

@@ -52,6 +52,7 @@ VARIABLES = (
     "step_counts",
     "cursor",
     "formed",
+    "placement",
 )
 
 Canon = tuple[Hashable, ...]
@@ -143,7 +144,15 @@ def canonical_tlc(state: Mapping[str, Any]) -> Canon:
         tuple(tuple(tuple(int(x) for x in c) for c in q) for q in _per_key(state["step_counts"])),
         tuple(_per_key(state["cursor"])),
         tuple(_per_key(state["formed"])),
+        _tlc_placement(state.get("placement")),
     )
+
+
+def _tlc_placement(p: Any) -> tuple[int, ...] | None:
+    """The spec's placement: NoValue (or a module without it) is None."""
+    if p is None or isinstance(p, ModelValue):
+        return None
+    return tuple(int(x) for x in _per_key(p))
 
 
 def _py_contribution(c: Contribution | None) -> ContribCanon:
@@ -185,6 +194,7 @@ def canonical_python(state: GlobalState) -> Canon:
         state.step_counts,
         tuple(r.cursor for r in rs),
         tuple(r.formed for r in rs),
+        state.placement,
     )
 
 

@@ -168,9 +168,11 @@ def _undealt(state: GlobalState, cfg: ModelConfig) -> list[int]:
             target=p.target,
             pricing=pricing,
         )
-        start = rs.cursor + sum(d.assigned[:r])
-        out.extend(p.plan[start : start + (d.assigned[r] if d.assigned else 0)])
-        dealt = max(dealt, rs.cursor + sum(d.assigned))
+        # With any_placement every rank loads its slice of the agreed placement.
+        assigned = state.placement if d.assigned and state.placement is not None else d.assigned
+        start = rs.cursor + sum(assigned[:r])
+        out.extend(p.plan[start : start + (assigned[r] if assigned else 0)])
+        dealt = max(dealt, rs.cursor + sum(assigned))
     return out + list(p.plan[dealt:])
 
 

@@ -14,18 +14,28 @@ steps and start the next round at different times, as real ranks do.
 Variables mirror spec/DGAP.tla: per rank `phase, exhausted, buffer, ready, steps,
 pads, round, emitted, ...` (in `RankSnapshot`), plus `pending` (each rank's source),
 `inbox` (a gathered round not yet consumed), `delivered` (real emissions per
-sample id), `ledger` (ids carried over by a quota-mode close), and per rank the
-batch (`step_batches`) and the global counts (`step_counts`) of every step it ran.
+sample id), `ledger` (ids carried over by a quota-mode close), per rank the
+batch (`step_batches`) and the global counts (`step_counts`) of every step it ran,
+and `placement` (with `ModelConfig.any_placement`: the split of the gathered
+round's deal, chosen at `AllGather` among all splits of its count).
+
+Adversarial pricing (`any_placement`, the spec's `AnyPlacement`): a round's deal
+count is decided from the gathered vectors as always, and `AllGather` branches
+over every way of splitting it between the ranks (one successor per split,
+labelled `AllGather(a0,a1,...)`); every rank then loads its slice of that agreed
+split instead of the one `assign.deal` prices (proofs/dynamic_sharding.md,
+"Pricing": safety must not depend on where the ids go).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import NamedTuple
 
 from odb_core.config import ProtocolConfig
-from odb_core.errors import ConfigError
+from odb_core.errors import ConfigError, ProtocolError
 from odb_core.protocol import (
     Contribution,
     RankAction,
@@ -33,20 +43,25 @@ from odb_core.protocol import (
     RankPhase,
     RankSnapshot,
     RoundResult,
+    decide_round,
 )
 from odb_core.sample import Sample
 
 
 class Action(NamedTuple):
-    """One labelled transition. `name` is the spec's action name."""
+    """One labelled transition. `name` is the spec's action name; `deal`, on an
+    `AllGather` of an `any_placement` model, the split of the round's deal chosen."""
 
     name: str
     rank: int | None = None
     sample: int | None = None
+    deal: tuple[int, ...] | None = None
 
     @property
     def label(self) -> str:
         if self.rank is None:
+            if self.deal is not None:
+                return f"{self.name}({','.join(map(str, self.deal))})"
             return self.name
         if self.sample is None:
             return f"{self.name}({self.rank})"
@@ -66,6 +81,9 @@ class GlobalState(NamedTuple):
     # the step's global (samples, cost tokens, loss tokens) as it decided them.
     step_batches: tuple[tuple[frozenset[int], ...], ...]
     step_counts: tuple[tuple[tuple[int, int, int], ...], ...]
+    # any_placement: the agreed split of the gathered round's deal while a rank has
+    # yet to consume it; None otherwise (always None without any_placement).
+    placement: tuple[int, ...] | None = None
 
     @property
     def all_done(self) -> bool:
@@ -74,16 +92,25 @@ class GlobalState(NamedTuple):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A protocol config plus the epoch's samples, sharded to ranks."""
+    """A protocol config plus the epoch's samples, sharded to ranks.
+
+    `any_placement` (dynamic sharding only): every round's deal is split between
+    the ranks by any placement of its count, agreed by all ranks (an adversarial
+    pricing; the spec's `AnyPlacement`)."""
 
     protocol: ProtocolConfig
     shards: tuple[tuple[Sample, ...], ...]
     machine: type[RankMachine] = field(default=RankMachine)
+    any_placement: bool = False
 
     def __post_init__(self) -> None:
         w = self.protocol.world_size
         if len(self.shards) != w:
             raise ConfigError(f"{len(self.shards)} shards for world_size={w}")
+        if self.any_placement and not self.protocol.dynamic:
+            raise ConfigError("any_placement places the deals of dynamic sharding only")
+        if self.any_placement and self.protocol.cost_table is not None:
+            raise ConfigError("any_placement replaces a cost table's placement: set no table")
         ids = [s.id for shard in self.shards for s in shard]
         if sorted(ids) != list(range(len(ids))):
             raise ConfigError(f"sample ids must be exactly 0..{len(ids) - 1}, got {sorted(ids)}")
@@ -171,8 +198,10 @@ class GlobalModel:
         # RankMachine is deterministic given its snapshot and event, so this is exact.
         self._enabled_memo: dict[tuple[int, RankSnapshot], frozenset[RankAction]] = {}
         self._local_memo: dict[tuple[int, RankSnapshot, Action], RankSnapshot] = {}
+        self._placed = _placed(config.machine)
         self._receive_memo: dict[
-            tuple[int, RankSnapshot, tuple[Contribution, ...]], tuple[RankSnapshot, RoundResult]
+            tuple[int, RankSnapshot, tuple[Contribution, ...], tuple[int, ...] | None],
+            tuple[RankSnapshot, RoundResult],
         ] = {}
 
     def init(self) -> GlobalState:
@@ -225,8 +254,30 @@ class GlobalModel:
         if all(s.phase is RankPhase.WAITING for s in state.ranks) and all(
             i is None for i in state.inbox
         ):
-            actions.append(ALL_GATHER)
+            if self.config.any_placement:
+                n = self._deal_total(state)
+                actions.extend(Action("AllGather", deal=a) for a in splits(n, self.world))
+            else:
+                actions.append(ALL_GATHER)
         return actions
+
+    def _deal_total(self, state: GlobalState) -> int:
+        """The count of the deal every rank decides from the round about to be
+        gathered (all ranks consumed the same rounds: rank 0's view stands for all;
+        the spec's DealTotal)."""
+        p, rs = self.protocol, state.ranks[0]
+        gathered = tuple(r.contribution for r in state.ranks)
+        if any(c is None for c in gathered):
+            raise ValueError("AllGather while a rank has not contributed")
+        d = decide_round(
+            p.mode,
+            p.quota,
+            rs.emitted,
+            [c for c in gathered if c is not None],
+            plan_left=len(p.plan) - rs.cursor,
+            target=p.target,
+        )
+        return sum(d.assigned)
 
     def step(self, state: GlobalState, action: Action) -> GlobalState:
         return self.step_with_output(state, action)[0]
@@ -236,7 +287,7 @@ class GlobalModel:
     ) -> tuple[GlobalState, RoundResult | None]:
         """`step`, also returning what a `Receive` emitted (its StepInfos)."""
         if action.name == "AllGather":
-            return self._all_gather(state), None
+            return self._all_gather(state, action.deal), None
         r = action.rank
         if r is None or not 0 <= r < self.world:
             raise ValueError(f"action {action.label} names no valid rank")
@@ -279,7 +330,7 @@ class GlobalModel:
         for a in self.enabled(state):
             yield a, self.step(state, a)
 
-    def _all_gather(self, state: GlobalState) -> GlobalState:
+    def _all_gather(self, state: GlobalState, deal: tuple[int, ...] | None) -> GlobalState:
         contributions = []
         for r in range(self.world):
             c = self.machine(state, r).contribution
@@ -287,16 +338,26 @@ class GlobalModel:
                 raise ValueError(f"AllGather while rank {r} is not waiting on a fresh round")
             contributions.append(c)
         gathered = tuple(contributions)
-        return state._replace(inbox=(gathered,) * self.world)
+        if self.config.any_placement:
+            if deal is None or deal not in splits(self._deal_total(state), self.world):
+                raise ValueError(f"AllGather with {deal!r}: not a split of the round's deal")
+        elif deal is not None:
+            raise ValueError("AllGather names a placement, but the model has any_placement off")
+        return state._replace(inbox=(gathered,) * self.world, placement=deal)
 
     def _receive(self, state: GlobalState, r: int) -> tuple[GlobalState, RoundResult]:
         gathered = state.inbox[r]
         if gathered is None:
             raise ValueError(f"Receive({r}) with an empty inbox")
-        key = (r, state.ranks[r], gathered)
+        key = (r, state.ranks[r], gathered, state.placement)
         memo = self._receive_memo.get(key)
         if memo is None:
             m = self.machine(state, r)
+            if state.placement is not None:
+                placed = self._placed.restore(r, self.protocol, state.ranks[r])
+                assert isinstance(placed, _Placed)
+                placed.placement = state.placement
+                m = placed
             result = m.all_gather(gathered)
             memo = self._receive_memo[key] = (m.snapshot(), result)
         snap, result = memo
@@ -314,20 +375,57 @@ class GlobalModel:
             # sharding, also the plan ids no rank was dealt).
             ledger = ledger | pending[r] | frozenset(self.protocol.plan[snap.cursor :])
             pending = _replace(pending, r, frozenset())
+            # The spec's closed rank holds nothing: its unread ids went to the ledger,
+            # so the snapshot keeps none either (the spec has no other copy of them).
+            snap = snap._replace(queue=())
         batches = tuple(frozenset(info.sample_ids) for info in result.steps)
         counts = tuple(
             (info.global_samples, info.global_tokens, info.global_loss_tokens)
             for info in result.steps
         )
+        inbox = _replace(state.inbox, r, None)
         return GlobalState(
             _replace(state.ranks, r, snap),
             pending,
-            _replace(state.inbox, r, None),
+            inbox,
             tuple(delivered),
             ledger,
             _replace(state.step_batches, r, state.step_batches[r] + batches),
             _replace(state.step_counts, r, state.step_counts[r] + counts),
+            # The agreed placement is dropped once the last rank has loaded its slice.
+            None if all(i is None for i in inbox) else state.placement,
         ), result
+
+
+@cache
+def splits(n: int, world: int) -> tuple[tuple[int, ...], ...]:
+    """Every split of n ids between `world` ranks (the spec's Placements(n))."""
+    if world == 1:
+        return ((n,),)
+    return tuple((a, *rest) for a in range(n + 1) for rest in splits(n - a, world - 1))
+
+
+class _Placed(RankMachine):
+    """A rank that loads its slice of an agreed placement instead of the deal's own
+    split (`any_placement`): `placement` is set before `all_gather`."""
+
+    placement: tuple[int, ...] = ()
+
+    def _dealt_slice(self, assigned: tuple[int, ...]) -> tuple[int, int]:
+        if sum(self.placement) != sum(assigned):
+            raise ProtocolError(
+                f"rank {self.rank}: placement {self.placement} does not split the deal {assigned}"
+            )
+        start = self.cursor + sum(self.placement[: self.rank])
+        return start, start + self.placement[self.rank]
+
+
+def _placed(machine: type[RankMachine]) -> type[_Placed]:
+    """`machine` (the model's rank machine, perhaps a broken variant) loading its
+    slice of the agreed placement."""
+    if issubclass(machine, _Placed):
+        return machine
+    return type(f"Placed{machine.__name__}", (_Placed, machine), {})
 
 
 def _replace(t: tuple, i: int, v: object) -> tuple:  # type: ignore[type-arg]

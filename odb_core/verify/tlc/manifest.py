@@ -56,6 +56,9 @@ class ManifestModel:
     assign_target: int | None = None
     carried: tuple[int, ...] = ()  # quota mode: ids carried in from the last pass's ledger
     early_form: int | None = None  # ProtocolConfig.early_form: FormEarly's least window
+    # Dynamic sharding: a round's deal split by any placement agreed at AllGather
+    # (ModelConfig.any_placement, the spec's AnyPlacement): an adversarial pricing.
+    any_placement: bool = False
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ManifestModel:
@@ -95,6 +98,7 @@ class ManifestModel:
             assign_target=m.get("assign_target"),
             carried=tuple(int(x) for x in m.get("carried", ())),
             early_form=m.get("early_form"),
+            any_placement=bool(m.get("any_placement", False)),
         )
 
     def model_config(self, machine: type[RankMachine] = RankMachine) -> ModelConfig:
@@ -126,7 +130,7 @@ class ManifestModel:
         shards = round_robin_shards(
             self.costs, self.world_size, self.loss, visual=self.visual, patches=self.patches
         )
-        return ModelConfig(protocol, shards, machine=machine)
+        return ModelConfig(protocol, shards, machine=machine, any_placement=self.any_placement)
 
     def render(self) -> tuple[str, str]:
         note = "spec/manifest.json" + (f": {self.about}" if self.about else "")

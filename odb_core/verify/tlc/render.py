@@ -92,6 +92,7 @@ def spec_constants(cfg: ModelConfig) -> SpecConstants:
         "Dynamic": tla_value(p.dynamic),
         "Target": str(p.configured_target if p.dynamic else 0),
         "EarlyForm": str(p.early_form or 0),
+        "AnyPlacement": tla_value(cfg.any_placement),
         "NoValue": "NoValue",
     }
     definitions = {
