@@ -5,7 +5,7 @@ the rank decided (its all-gather vector, the ids of each emitted step); a
 `ProtocolTrace` is the per-rank logs plus the protocol config, as plain JSON.
 Recording is part of the runtime (`ODBDataLoader(trace_dir=...)` writes one file
 per rank and epoch); validating a trace against the model or the spec is
-verification's job (`odb_core.verify.trace.validate_trace`,
+verification's job (`odb_core.verify.trace_validation.validate_trace`,
 `odb_core.verify.tlc.validate_trace_tlc`). The only I/O here is writing and
 reading a trace file when asked to.
 """

@@ -12,8 +12,8 @@ import numpy as np
 
 from odb_core.cost import BatchStats
 from odb_core.sample import Sample
-from simulator import grouped
-from simulator.run import Run
+from simulator import grouped_baselines as grouped
+from simulator.epoch_run import Run
 from simulator.slots import make_slot, mark_aborted
 from simulator.trainer import Slot
 

@@ -8,7 +8,7 @@ semantics are the core's `decide_round`, reached through `RankMachine.all_gather
 Pad steps, step counts, lost and duplicated ids are read from what the machines
 emit. `standard`, `gmt`, `bmt` and the grouped samplers are baselines
 (`baselines.py`; they are not the protocol); `odb-ref` drives the PyPI package
-`online-dynamic-batching`. The configuration is `config.py`'s `SimConfig`.
+`online-dynamic-batching`. The configuration is `sim_config.py`'s `SimConfig`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from odb_core.config import Mode
 from odb_core.cost_table import CostTable
 from odb_core.formers import FormerKind
 from simulator.baselines import Baselines
-from simulator.config import COSTS, DEFAULT_STRATEGIES, STRATEGIES, Faults, SimConfig
+from simulator.epoch_run import Progress
 from simulator.odb_run import FORM_S_PER_SAMPLE, OdbRun
-from simulator.run import Progress
+from simulator.sim_config import COSTS, DEFAULT_STRATEGIES, STRATEGIES, Faults, SimConfig
 from simulator.workloads import Workload
 
 __all__ = [

@@ -25,7 +25,7 @@ from simulator.slots import Columns, make_slot, mark_aborted
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
-    from simulator.pipeline import DataSource
+    from simulator.dataloader import DataSource
     from simulator.trainer import Slot, Trainer
 
 MAX_REF_RANKS = 64

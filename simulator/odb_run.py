@@ -25,8 +25,8 @@ from odb_core.protocol import (
     rounds_bound,
     steps_bound,
 )
-from simulator.pipeline import DataSource
-from simulator.run import Run
+from simulator.dataloader import DataSource
+from simulator.epoch_run import Run
 from simulator.slots import make_slot, mark_aborted
 from simulator.trainer import Slot, Trainer
 

@@ -30,7 +30,7 @@ from odb_core.trace import ProtocolTrace, TracingRankMachine
 from odb_core.verify.checker import check
 from odb_core.verify.model import ModelConfig, round_robin_shards
 from odb_core.verify.tlc import validate_trace_tlc
-from odb_core.verify.trace import validate_trace
+from odb_core.verify.trace_validation import validate_trace
 
 MODELS: list[CostModel] = [PackedTokens(), PaddedTokens(), AttentionAware(alpha=0.01)]
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from simulator import grouped
+from simulator import grouped_baselines as grouped
 from simulator.engine import SimConfig, simulate
 from simulator.hardware import make_hardware
 from simulator.workloads import make_workload

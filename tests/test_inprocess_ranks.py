@@ -19,7 +19,7 @@ from odb_core import ODBDataLoader, read_step_meta, scaled_loss  # noqa: E402
 from odb_core.protocol import StepInfo  # noqa: E402
 from odb_core.torch.pipeline import EpochPipeline  # noqa: E402
 from odb_core.verify.tlc.trace_check import validate_trace_tlc  # noqa: E402
-from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
+from odb_core.verify.trace_validation import ProtocolTrace, validate_trace  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -39,7 +39,7 @@ from odb_core.torch import rounds  # noqa: E402
 from odb_core.torch.lookahead import LookAhead, early_form_decision  # noqa: E402
 from odb_core.torch.options import LoaderOptions  # noqa: E402
 from odb_core.verify.tlc.trace_check import validate_trace_tlc  # noqa: E402
-from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
+from odb_core.verify.trace_validation import ProtocolTrace, validate_trace  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -56,7 +56,7 @@ from odb_core.torch.rounds import (  # noqa: E402
 )
 from odb_core.torch.source import Record  # noqa: E402
 from odb_core.torch.transport import Gathering, LocalTransport  # noqa: E402
-from odb_core.verify.trace import ProtocolTrace, TracingRankMachine  # noqa: E402
+from odb_core.verify.trace_validation import ProtocolTrace, TracingRankMachine  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -14,9 +14,9 @@ from odb_core.config import Mode, OversizePolicy
 from odb_core.errors import ConfigError
 from odb_core.formers import FormerKind
 from odb_core.protocol import RankMachine
+from simulator.dataloader import DataSource
 from simulator.engine import Faults, SimConfig, _Run, simulate
 from simulator.hardware import make_hardware
-from simulator.pipeline import DataSource
 from simulator.workloads import load_jsonl, make_workload
 
 FAST = ("standard", "gmt", "bmt", "odb", "odb-bfd", "odb-quota")

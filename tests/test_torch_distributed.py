@@ -26,7 +26,7 @@ from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
 from odb_core import ODBDataLoader, StepMeta, read_step_meta  # noqa: E402
 from odb_core.verify.tlc import validate_trace_tlc  # noqa: E402
-from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
+from odb_core.verify.trace_validation import ProtocolTrace, validate_trace  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

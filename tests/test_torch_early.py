@@ -24,7 +24,7 @@ from torch.utils.data import Dataset  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
 from odb_core.verify.tlc import validate_trace_tlc  # noqa: E402
-from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
+from odb_core.verify.trace_validation import ProtocolTrace, validate_trace  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -35,7 +35,7 @@ from odb_core.trace import TracingRankMachine
 from odb_core.verify.conformance import record_random_trace
 from odb_core.verify.model import ModelConfig, dynamic_model
 from odb_core.verify.tlc.trace_check import validate_trace_tlc
-from odb_core.verify.trace import ProtocolTrace, TraceReport, validate_trace
+from odb_core.verify.trace_validation import ProtocolTrace, TraceReport, validate_trace
 
 COSTS = [(i * 7) % 11 + 1 for i in range(24)]
 

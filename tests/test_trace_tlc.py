@@ -20,7 +20,7 @@ from odb_core.formers import FormerKind
 from odb_core.verify.conformance import record_random_trace
 from odb_core.verify.model import ModelConfig
 from odb_core.verify.tlc.trace_check import _trace_log, linearize, validate_trace_tlc
-from odb_core.verify.trace import ProtocolTrace, validate_trace
+from odb_core.verify.trace_validation import ProtocolTrace, validate_trace
 
 CONFIGS = [
     "MCjoin_w3_n6_k1",
@@ -238,7 +238,7 @@ def test_python_validator_rejects_an_unknown_emitted_id() -> None:
     from odb_core.config import ProtocolConfig
     from odb_core.cost import Budget
     from odb_core.sample import Sample
-    from odb_core.verify.trace import ProtocolTrace, TracingRankMachine, validate_trace
+    from odb_core.verify.trace_validation import ProtocolTrace, TracingRankMachine, validate_trace
 
     m = TracingRankMachine(0, ProtocolConfig(world_size=1, budget=Budget(10), buffer_size=2))
     source = iter([Sample(0, 3), Sample(1, 4)])

@@ -20,7 +20,7 @@ from odb_core.sample import Sample
 from odb_core.trace import ProtocolTrace, TracingRankMachine
 from odb_core.verify.checker import check
 from odb_core.verify.model import ModelConfig, round_robin_shards
-from odb_core.verify.trace import validate_trace
+from odb_core.verify.trace_validation import validate_trace
 
 
 class IgnoresTheBound(TracingRankMachine):

@@ -37,7 +37,7 @@ from odb_core.torch.held import (  # noqa: E402
 )
 from odb_core.torch.options import DEFAULT_WINDOW_BYTES, LoaderOptions  # noqa: E402
 from odb_core.verify.tlc import validate_trace_tlc  # noqa: E402
-from odb_core.verify.trace import ProtocolTrace, validate_trace  # noqa: E402
+from odb_core.verify.trace_validation import ProtocolTrace, validate_trace  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

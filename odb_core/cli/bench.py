@@ -20,7 +20,7 @@ import json
 import time
 from typing import Any
 
-from odb_core.cli.options import positive_int
+from odb_core.cli.arguments import positive_int
 from odb_core.formers import FormerKind
 
 BATCH = 8

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from odb_core.cli.options import add_json_flag, enum_choice, int_list, positive_int, subcommand
+from odb_core.cli.arguments import add_json_flag, enum_choice, int_list, positive_int, subcommand
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget
 from odb_core.formers import FormerKind
@@ -441,7 +441,7 @@ def run_adhoc(args: argparse.Namespace, engine: str) -> int:
 def run_trace(args: argparse.Namespace) -> int:
     """Validate a recorded trace with the Python model and/or TLC."""
     from odb_core.verify.tlc import validate_trace_tlc
-    from odb_core.verify.trace import ProtocolTrace, validate_trace
+    from odb_core.verify.trace_validation import ProtocolTrace, validate_trace
 
     engine = args.engine or "both"
     trace = ProtocolTrace.merge(args.trace)

@@ -6,7 +6,7 @@ import argparse
 import time
 from collections.abc import Callable
 
-from odb_core.cli.options import subcommand
+from odb_core.cli.arguments import subcommand
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget
 from odb_core.verify.bugs import BugVariant

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from odb_core.cli.options import (
+from odb_core.cli.arguments import (
     add_json_flag,
     add_progress_flag,
     enum_choice,
@@ -71,7 +71,7 @@ def _ranks(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from odb_core.protocol import RankMachine
     from simulator.fuzz import fuzz, replay
-    from simulator.report import format_fuzz
+    from simulator.tables import format_fuzz
 
     bug: BugVariant | None = args.bug
     machine = bug.machine if bug is not None else RankMachine

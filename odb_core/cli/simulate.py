@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-from odb_core.cli.options import (
+from odb_core.cli.arguments import (
     add_json_flag,
     add_progress_flag,
     nonneg_float,
@@ -339,7 +339,7 @@ def build_configs(args: argparse.Namespace) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     from simulator.engine import simulate
-    from simulator.report import format_run, format_summary, markdown_table, plot
+    from simulator.tables import format_run, format_summary, markdown_table, plot
 
     configs = build_configs(args)
     start = time.perf_counter()
@@ -385,7 +385,7 @@ def demo_section() -> bool:
     """A short simulation for `odb demo` (a few seconds): sharegpt4o on 8 ranks."""
     from simulator.engine import SimConfig, simulate
     from simulator.hardware import make_hardware
-    from simulator.report import format_run
+    from simulator.tables import format_run
     from simulator.workloads import make_workload
 
     print("== Simulated epoch: sharegpt4o, 8 ranks, 4,000 samples (docs/SIMULATOR.md) ==")

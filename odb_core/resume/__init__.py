@@ -36,9 +36,9 @@ first iteration after a load) and `report` (what a load resumed from).
 
 from odb_core.resume.claims import ResumeClaim, check_claims
 from odb_core.resume.codec import FIELDS, STATE_VERSION, canonical, checksum, seal
+from odb_core.resume.epoch_progress import EpochProgress
 from odb_core.resume.fit import ResumeTarget, fingerprint_mismatch
 from odb_core.resume.merged import merge
-from odb_core.resume.progress import EpochProgress
 from odb_core.resume.record import SHARED, ProgressRecord, partition
 from odb_core.resume.report import ResumeReport
 

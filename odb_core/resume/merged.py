@@ -8,8 +8,8 @@ from collections.abc import Iterable
 from odb_core.errors import ResumeMismatchError, ResumeStateError
 from odb_core.resume.claims import _check_count
 from odb_core.resume.codec import _preview
+from odb_core.resume.epoch_progress import EpochProgress
 from odb_core.resume.fit import fingerprint_mismatch
-from odb_core.resume.progress import EpochProgress
 from odb_core.resume.record import SHARED
 
 

@@ -7,12 +7,12 @@ notices it is dry, and when each rank leaves the collective. The driver
 (`driver.py`) interleaves the ranks' local actions at random under those knobs and
 checks what the machines emit by the predicates of `odb_core.verify.invariants`;
 it decides nothing. `campaign.py` runs many schedules and hypothesis searches,
-`report.py` sums them up.
+`findings.py` sums them up.
 """
 
 from simulator.fuzz.campaign import fuzz, hypothesis_search, replay
 from simulator.fuzz.driver import Outcome, run_schedule
-from simulator.fuzz.report import FuzzReport, worst_cases
+from simulator.fuzz.findings import FuzzReport, worst_cases
 from simulator.fuzz.schedules import ORDERS, Schedule, random_schedule
 
 __all__ = [

@@ -14,7 +14,7 @@ from odb_core.formers import FormerKind
 from odb_core.protocol import RankMachine
 from odb_core.sample import Sample
 from simulator.fuzz.driver import Outcome, run_schedule
-from simulator.fuzz.report import FuzzReport, bound_ratio
+from simulator.fuzz.findings import FuzzReport, bound_ratio
 from simulator.fuzz.schedules import Schedule, random_schedule
 
 _SEARCH_COSTS: list[CostModel] = [PackedTokens(), PaddedTokens()]

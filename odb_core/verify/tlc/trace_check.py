@@ -12,7 +12,7 @@ from odb_core.verify.model import ModelConfig
 from odb_core.verify.tlc.install import SPEC_INVARIANTS, SpecUnsupported
 from odb_core.verify.tlc.render import spec_constants, tla_value
 from odb_core.verify.tlc.run import SHORT_RUN_JVM, TLCResult, run_tlc
-from odb_core.verify.trace import ProtocolTrace, TraceReport, scale_mismatch, trace_model
+from odb_core.verify.trace_validation import ProtocolTrace, TraceReport, scale_mismatch, trace_model
 
 # ---------------------------------------------------------------------------
 # Trace validation: a recorded run, replayed through the spec by TLC
@@ -74,7 +74,7 @@ TraceStep(e) ==
 
 \* Dynamic sharding: the next event of the log reads no further than the deals
 \* (checked in the state before it, so TLC names the event; the Python replay
-\* checks the same under the same names, odb_core.verify.trace).
+\* checks the same under the same names, odb_core.verify.trace_validation).
 NextEv == Log[pc + 1]
 NextIs(a) == Dynamic /\ pc < Len(Log) /\ NextEv.a = a
 \* A rank observes only an id dealt to it and not yet observed.

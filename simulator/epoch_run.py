@@ -12,8 +12,8 @@ import numpy as np
 from odb_core.cost import BatchStats
 from odb_core.cost_table import CostTable
 from odb_core.sample import Sample
-from simulator.config import SimConfig
-from simulator.pipeline import DataSource
+from simulator.dataloader import DataSource
+from simulator.sim_config import SimConfig
 from simulator.slots import Columns
 from simulator.trainer import Slot, Trainer
 
