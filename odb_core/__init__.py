@@ -9,6 +9,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from odb_core.batch import Batch as Batch
+from odb_core.collective import Contribution as Contribution
+from odb_core.collective import RoundDecision as RoundDecision
+from odb_core.collective import decide_round as decide_round
 from odb_core.config import LossNormalization as LossNormalization
 from odb_core.config import Mode as Mode
 from odb_core.config import OversizePolicy as OversizePolicy
@@ -33,14 +36,11 @@ from odb_core.errors import SampleError as SampleError
 from odb_core.formers import FormerKind as FormerKind
 from odb_core.formers import best_fit_decreasing as best_fit_decreasing
 from odb_core.formers import sort_window_greedy as sort_window_greedy
-from odb_core.protocol import Contribution as Contribution
 from odb_core.protocol import RankMachine as RankMachine
 from odb_core.protocol import RankPhase as RankPhase
-from odb_core.protocol import RoundDecision as RoundDecision
-from odb_core.protocol import StepInfo as StepInfo
-from odb_core.protocol import decide_round as decide_round
 from odb_core.sample import Sample as Sample
 from odb_core.sample import make_sample as make_sample
+from odb_core.step import StepInfo as StepInfo
 
 if TYPE_CHECKING:
     from odb_core.torch import STEP_META_KEY as STEP_META_KEY

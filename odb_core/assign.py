@@ -27,7 +27,7 @@ from typing import NamedTuple, Protocol
 
 
 class Contribution(Protocol):
-    """The fields of `odb_core.protocol.Contribution` the deal reads (typed here so
+    """The fields of `odb_core.collective.Contribution` the deal reads (typed here so
     that this module imports nothing of the core)."""
 
     @property

@@ -21,8 +21,8 @@ from typing import Any
 from odb_core.errors import ODBError
 from odb_core.ledger import Ledgers
 from odb_core.progress import RunProgress, WindowCounts
-from odb_core.protocol import StepInfo
 from odb_core.resume import EpochProgress
+from odb_core.step import StepInfo
 
 __all__ = ["EpochTracker", "Position", "RunPlan", "StepRecord"]
 

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from odb_core.errors import ConfigError, ODBError
-from odb_core.protocol import StepInfo
+from odb_core.step import StepInfo
 
 
 @dataclass(frozen=True)

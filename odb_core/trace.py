@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from odb_core.collective import Contribution
 from odb_core.config import ProtocolConfig, make_cost_model
 from odb_core.cost import AttentionAware, Budget, CostModel, Multimodal
 from odb_core.errors import ConfigError
-from odb_core.protocol import Contribution, RankMachine, RoundResult, StepInfo
+from odb_core.protocol import RankMachine, RoundResult
 from odb_core.sample import Sample
+from odb_core.step import StepInfo
 
 #: 2: the all-gather vector carries loss tokens (2 + 3M integers), Receives `sync`.
 #: 3: each rank's epoch plan, each Receive's per-step global counts (`global`), and

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 
 from odb_core.config import ProtocolConfig
 from odb_core.errors import ProtocolError
-from odb_core.protocol import RoundResult, StepInfo, loss_scale
+from odb_core.protocol import RoundResult
+from odb_core.step import StepInfo, loss_scale
 
 
 class WindowBuffer:

@@ -11,20 +11,14 @@ from typing import Any
 import numpy as np
 
 from odb_core.assign import dynamic_bounds
+from odb_core.collective import Contribution
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import BatchStats, Budget
 from odb_core.cost_table import CostTable, record
 from odb_core.errors import ODBPeerError
 from odb_core.formers import FormerKind
-from odb_core.protocol import (
-    Contribution,
-    RankAction,
-    RankMachine,
-    RoundResult,
-    StepInfo,
-    rounds_bound,
-    steps_bound,
-)
+from odb_core.protocol import RankAction, RankMachine, RoundResult, rounds_bound, steps_bound
+from odb_core.step import StepInfo
 from simulator.dataloader import DataSource
 from simulator.epoch_run import Run
 from simulator.slots import make_slot, mark_aborted

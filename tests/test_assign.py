@@ -13,10 +13,11 @@ from odb_core.assign import (
     initial_share,
     initial_slice,
 )
+from odb_core.collective import Contribution
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import Budget
 from odb_core.errors import ConfigError, ODBPeerError, ProtocolError
-from odb_core.protocol import Contribution, RankAction, RankMachine
+from odb_core.protocol import RankAction, RankMachine
 from odb_core.sample import Sample
 from odb_core.verify.checker import check
 from odb_core.verify.model import GlobalModel, dynamic_model

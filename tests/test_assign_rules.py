@@ -8,7 +8,7 @@ each pins a rule that a wrong sign, a dropped term or a swapped branch breaks
 from __future__ import annotations
 
 from odb_core.assign import deal
-from odb_core.protocol import Contribution
+from odb_core.collective import Contribution
 
 
 def _c(

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from odb_core.collective import Contribution, decide_round
 from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
 from odb_core.cost import Budget, Multimodal
 from odb_core.errors import (
@@ -17,16 +18,9 @@ from odb_core.errors import (
     ProtocolError,
 )
 from odb_core.ledger import ages, plan_epoch, rank_order, share, validate_ledgers
-from odb_core.protocol import (
-    Contribution,
-    RankMachine,
-    StepInfo,
-    decide_round,
-    loss_scale,
-    rounds_bound,
-    steps_bound,
-)
+from odb_core.protocol import RankMachine, rounds_bound, steps_bound
 from odb_core.sample import Sample
+from odb_core.step import StepInfo, loss_scale
 from odb_core.window import WindowBuffer
 
 

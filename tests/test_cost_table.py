@@ -11,11 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from odb_core.assign import Pricing
+from odb_core.collective import Contribution
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import Budget
 from odb_core.cost_table import CostTable, combine, decode, encode, record
 from odb_core.errors import ConfigError, ResumeStateError
-from odb_core.protocol import Contribution, RankMachine
+from odb_core.protocol import RankMachine
 from odb_core.verify.checker import check
 from odb_core.verify.model import dynamic_model
 

@@ -18,7 +18,7 @@ from thread_ranks import RankLoader, on_ranks  # noqa: E402
 
 from odb_core.cost_table import CostTable, decode, encode  # noqa: E402
 from odb_core.errors import ResumeStateError  # noqa: E402
-from odb_core.protocol import StepInfo  # noqa: E402
+from odb_core.step import StepInfo  # noqa: E402
 from odb_core.torch.transport import LocalTransport  # noqa: E402
 
 pytestmark = pytest.mark.torch

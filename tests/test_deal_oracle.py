@@ -12,7 +12,7 @@ from typing import Any
 from unittest import mock
 
 from odb_core import assign, protocol
-from odb_core.protocol import Contribution
+from odb_core.collective import Contribution
 
 
 def _load() -> ModuleType:

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from odb_core.collective import decide_round
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import Budget
-from odb_core.protocol import decide_round
 from odb_core.verify.model import GlobalModel, ModelConfig, dynamic_model, round_robin_shards
 from odb_core.verify.tail import DealToFirst, dry_round_gap
 

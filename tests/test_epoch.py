@@ -8,9 +8,9 @@ import pytest
 from odb_core.batch import Batch
 from odb_core.epoch import EpochTracker, Position
 from odb_core.errors import ODBError
-from odb_core.protocol import StepInfo
 from odb_core.resume import EpochProgress
 from odb_core.sample import Sample
+from odb_core.step import StepInfo
 
 IDENTITY = {"fingerprint": {"dataset": "d"}, "epoch": 3, "world_size": 2, "rank": 1}
 

@@ -16,7 +16,7 @@ from thread_ranks import RankLoader, on_ranks, to_the_end, until  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from odb_core import ODBDataLoader, read_step_meta, scaled_loss  # noqa: E402
-from odb_core.protocol import StepInfo  # noqa: E402
+from odb_core.step import StepInfo  # noqa: E402
 from odb_core.torch.pipeline import EpochPipeline  # noqa: E402
 from odb_core.verify.tlc.trace_check import validate_trace_tlc  # noqa: E402
 from odb_core.verify.trace_validation import ProtocolTrace, validate_trace  # noqa: E402

@@ -33,8 +33,9 @@ from odb_core.batch import Batch  # noqa: E402
 from odb_core.config import ProtocolConfig  # noqa: E402
 from odb_core.cost import Budget, PaddedTokens  # noqa: E402
 from odb_core.errors import ConfigError, ODBError, ResumeStateError  # noqa: E402
-from odb_core.protocol import RankAction, RankMachine, StepInfo  # noqa: E402
+from odb_core.protocol import RankAction, RankMachine  # noqa: E402
 from odb_core.sample import Sample  # noqa: E402
+from odb_core.step import StepInfo  # noqa: E402
 from odb_core.torch import rounds  # noqa: E402
 from odb_core.torch.lookahead import LookAhead, early_form_decision  # noqa: E402
 from odb_core.torch.options import LoaderOptions  # noqa: E402

@@ -42,8 +42,9 @@ from odb_core.config import Mode, ProtocolConfig  # noqa: E402
 from odb_core.cost import Budget  # noqa: E402
 from odb_core.errors import ODBError, ODBPeerError, SampleError  # noqa: E402
 from odb_core.idset import decode  # noqa: E402
-from odb_core.protocol import RankMachine, StepInfo, _truncated_tokens  # noqa: E402
+from odb_core.protocol import RankMachine, _truncated_tokens  # noqa: E402
 from odb_core.sample import Sample  # noqa: E402
+from odb_core.step import StepInfo  # noqa: E402
 from odb_core.torch import rounds  # noqa: E402
 from odb_core.torch.measure import LossTokens  # noqa: E402
 from odb_core.torch.pipeline import EpochPipeline  # noqa: E402

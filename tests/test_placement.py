@@ -15,11 +15,12 @@ from dataclasses import replace
 
 import pytest
 
+from odb_core.collective import decide_round
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import Budget
 from odb_core.cost_table import CostTable, record
 from odb_core.errors import ConfigError
-from odb_core.protocol import RankMachine, decide_round
+from odb_core.protocol import RankMachine
 from odb_core.verify import tlc
 from odb_core.verify.bugs import BugVariant
 from odb_core.verify.checker import check

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from odb_core.collective import Contribution, decide_round
 from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig
 from odb_core.cost import Budget, Multimodal, PackedTokens
 from odb_core.errors import (
@@ -19,13 +20,7 @@ from odb_core.errors import (
     ProtocolError,
     SampleError,
 )
-from odb_core.protocol import (
-    Contribution,
-    RankAction,
-    RankMachine,
-    RankPhase,
-    decide_round,
-)
+from odb_core.protocol import RankAction, RankMachine, RankPhase
 from odb_core.sample import Sample, make_sample
 from odb_core.window import WindowBuffer
 

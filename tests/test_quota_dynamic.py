@@ -36,7 +36,7 @@ from thread_ranks import on_ranks, to_the_end, until  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
 from odb_core.errors import ConfigError  # noqa: E402
-from odb_core.protocol import StepInfo  # noqa: E402
+from odb_core.step import StepInfo  # noqa: E402
 from odb_core.verify.tlc.trace_check import validate_trace_tlc  # noqa: E402
 from odb_core.verify.trace_validation import ProtocolTrace, validate_trace  # noqa: E402
 

@@ -20,7 +20,7 @@ from test_quota_resume import fresh  # noqa: E402
 from thread_ranks import on_ranks, to_the_end  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
-from odb_core.protocol import StepInfo  # noqa: E402
+from odb_core.step import StepInfo  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -24,7 +24,8 @@ from torch.utils.data import Dataset  # noqa: E402
 from odb_core import ODBDataLoader  # noqa: E402
 from odb_core.config import Mode, ProtocolConfig  # noqa: E402
 from odb_core.cost import Budget  # noqa: E402
-from odb_core.protocol import RankMachine, StepInfo  # noqa: E402
+from odb_core.protocol import RankMachine  # noqa: E402
+from odb_core.step import StepInfo  # noqa: E402
 from odb_core.torch.measure import LossTokens  # noqa: E402
 from odb_core.torch.pipeline import EpochPipeline  # noqa: E402
 from odb_core.torch.rounds import EpochSetup, _End  # noqa: E402

@@ -9,7 +9,6 @@ import pytest
 
 from odb_core.errors import ConfigError, ODBError
 from odb_core.progress import RunProgress, WindowCounts
-from odb_core.protocol import StepInfo
 from odb_core.sample import Sample
 from odb_core.schedule import (
     SampleProfile,
@@ -20,6 +19,7 @@ from odb_core.schedule import (
     fixed_batch_tokens,
     match_fixed_batch,
 )
+from odb_core.step import StepInfo
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from thread_ranks import RankLoader, on_ranks  # noqa: E402
 from torch.utils.data import IterableDataset  # noqa: E402
 
 from odb_core.errors import ConfigError, ResumeStateError  # noqa: E402
-from odb_core.protocol import StepInfo  # noqa: E402
+from odb_core.step import StepInfo  # noqa: E402
 from odb_core.torch.options import DEFAULT_WINDOW_BYTES, LoaderOptions  # noqa: E402
 
 pytestmark = pytest.mark.torch

@@ -7,7 +7,7 @@ from dataclasses import replace
 from unittest import mock
 
 from odb_core import assign
-from odb_core.protocol import decide_round
+from odb_core.collective import decide_round
 from odb_core.verify import tlc
 from odb_core.verify.model import GlobalModel, GlobalState, ModelConfig
 

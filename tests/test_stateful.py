@@ -23,8 +23,9 @@ from odb_core.assign import dynamic_bounds
 from odb_core.config import LossNormalization, Mode, OversizePolicy, ProtocolConfig, Sharding
 from odb_core.cost import AttentionAware, Budget, PackedTokens, PaddedTokens
 from odb_core.formers import FormerKind
-from odb_core.protocol import RankMachine, StepInfo, rounds_bound, steps_bound
+from odb_core.protocol import RankMachine, rounds_bound, steps_bound
 from odb_core.sample import Sample
+from odb_core.step import StepInfo
 from odb_core.verify.bugs import BugVariant
 from odb_core.verify.invariants import INVARIANTS
 from odb_core.verify.model import Action, GlobalModel, GlobalState, ModelConfig

@@ -41,7 +41,7 @@ from odb_core import (  # noqa: E402
 )
 from odb_core.errors import EpochFinishedError  # noqa: E402
 from odb_core.idset import decode  # noqa: E402
-from odb_core.protocol import StepInfo  # noqa: E402
+from odb_core.step import StepInfo  # noqa: E402
 from odb_core.torch.loss import scale_loss  # noqa: E402  (deprecated, exported nowhere)
 
 pytestmark = pytest.mark.torch

@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from odb_core.collective import Contribution
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import Budget, PaddedTokens
 from odb_core.errors import ConfigError
-from odb_core.protocol import Contribution, RankAction, RankMachine, RankPhase
+from odb_core.protocol import RankAction, RankMachine, RankPhase
 from odb_core.sample import Sample
 from odb_core.trace import ProtocolTrace, TracingRankMachine
 from odb_core.verify.checker import check

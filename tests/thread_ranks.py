@@ -17,7 +17,7 @@ from typing import Any
 from odb_core import ODBDataLoader
 from odb_core.cost_table import combine
 from odb_core.errors import ODBPeerError
-from odb_core.protocol import StepInfo
+from odb_core.step import StepInfo
 from odb_core.torch.transport import LocalTransport
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from odb_core.protocol import Contribution
+from odb_core.collective import Contribution
 from odb_core.torch.loader import ODBDataLoader
 from odb_core.torch.meta import scaled_loss
 

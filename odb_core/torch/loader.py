@@ -64,8 +64,9 @@ from odb_core.epoch import EpochTracker
 from odb_core.errors import ConfigError, ODBError
 from odb_core.formers import FormerKind
 from odb_core.ledger import Ledgers, ages, ledger_ids
-from odb_core.protocol import RankMachine, StepInfo
+from odb_core.protocol import RankMachine
 from odb_core.resume import EpochProgress, ResumeReport
+from odb_core.step import StepInfo
 from odb_core.torch.epoch_iter import EpochIterator, make_pin
 from odb_core.torch.epoch_select import EpochCursor, forward_epoch
 from odb_core.torch.length import EpochLength

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from odb_core.config import LossNormalization
 from odb_core.errors import ODBError
-from odb_core.protocol import StepInfo, loss_scale
+from odb_core.step import StepInfo, loss_scale
 
 __all__ = [
     "BATCH_KEY",
@@ -80,7 +80,7 @@ class StepMeta(NamedTuple):
     @property
     def loss_scale(self) -> float:
         """W * local / window (loss tokens or samples); 0 if either count is 0.
-        The core's own formula (`odb_core.protocol.loss_scale`), so it equals
+        The core's own formula (`odb_core.step.loss_scale`), so it equals
         `StepInfo.loss_scale` exactly."""
         return loss_scale(
             self.loss_normalization,

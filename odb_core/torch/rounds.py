@@ -65,18 +65,15 @@ from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from odb_core.collective import Contribution
 from odb_core.config import Mode, OversizePolicy
 from odb_core.cost_table import CostTable, record
 from odb_core.errors import ConfigError, ODBError, ODBPeerError, SampleError
 from odb_core.identity import check_unique
 from odb_core.ledger import Ledgers, validate_ledgers
-from odb_core.protocol import (
-    Contribution,
-    RankMachine,
-    StepInfo,
-    _truncated_tokens,
-)
+from odb_core.protocol import RankMachine, _truncated_tokens
 from odb_core.sample import Sample
+from odb_core.step import StepInfo
 from odb_core.torch.held import HeldBytes, tensor_bytes
 from odb_core.torch.lookahead import LookAhead, early_form_decision
 from odb_core.torch.measure import CostFn, LossTokens, TruncateFn, default_truncate, measure

@@ -11,7 +11,7 @@ from odb_core.errors import ODBError
 from odb_core.torch.meta import STEP_META_KEY, read_step_meta
 
 if TYPE_CHECKING:
-    from odb_core.protocol import StepInfo
+    from odb_core.step import StepInfo
     from odb_core.torch.loader import ODBDataLoader
 
 __all__ = ["next_window"]

@@ -13,16 +13,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from odb_core.batch import Batch
+from odb_core.collective import Contribution
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import Budget
 from odb_core.formers import FormResult
-from odb_core.protocol import (
-    Contribution,
-    RankAction,
-    RankMachine,
-    RankPhase,
-    RoundResult,
-)
+from odb_core.protocol import RankAction, RankMachine, RankPhase, RoundResult
 from odb_core.sample import Sample
 from odb_core.verify.model import ModelConfig, dynamic_model, round_robin_shards
 

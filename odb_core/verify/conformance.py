@@ -23,7 +23,7 @@ from typing import Any
 
 import networkx as nx
 
-from odb_core.protocol import Contribution
+from odb_core.collective import Contribution
 from odb_core.sample import Sample
 from odb_core.trace import ProtocolTrace, TracingRankMachine
 from odb_core.verify.checker import check

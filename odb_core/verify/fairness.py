@@ -35,9 +35,10 @@ from odb_core.cost import BatchStats, Budget, CostModel, PackedTokens, PaddedTok
 from odb_core.errors import ConfigError
 from odb_core.formers import FORMERS, FormerKind
 from odb_core.ledger import Ledgers, ages, ledger_ids, plan_epoch
-from odb_core.protocol import RankMachine, StepInfo
+from odb_core.protocol import RankMachine
 from odb_core.resume import partition
 from odb_core.sample import Sample
+from odb_core.step import StepInfo
 from odb_core.verify.bugs import BugVariant
 from odb_core.verify.checker import CheckReport, check
 from odb_core.verify.explore import StateCheck, explore

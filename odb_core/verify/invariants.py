@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from odb_core.assign import dynamic_bounds
+from odb_core.collective import decide_round
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import BatchStats, Budget, CostModel
 from odb_core.errors import ODBError
-from odb_core.protocol import RankMachine, RankPhase, decide_round, rounds_bound, steps_bound
+from odb_core.protocol import RankMachine, RankPhase, rounds_bound, steps_bound
 from odb_core.sample import Sample
 from odb_core.verify.model import GlobalState, ModelConfig
 

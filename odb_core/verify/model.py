@@ -34,17 +34,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import NamedTuple
 
+from odb_core.collective import Contribution, decide_round
 from odb_core.config import ProtocolConfig
 from odb_core.errors import ConfigError, ProtocolError
-from odb_core.protocol import (
-    Contribution,
-    RankAction,
-    RankMachine,
-    RankPhase,
-    RankSnapshot,
-    RoundResult,
-    decide_round,
-)
+from odb_core.protocol import RankAction, RankMachine, RankPhase, RankSnapshot, RoundResult
 from odb_core.sample import Sample
 
 

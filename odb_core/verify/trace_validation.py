@@ -20,8 +20,8 @@ from typing import Any
 
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.errors import ConfigError
-from odb_core.protocol import StepInfo
 from odb_core.sample import Sample
+from odb_core.step import StepInfo
 from odb_core.trace import (
     TRACE_VERSION,
     ProtocolTrace,

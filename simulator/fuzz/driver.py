@@ -25,20 +25,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odb_core.assign import dynamic_bounds
+from odb_core.collective import Contribution
 from odb_core.config import Mode, ProtocolConfig
 from odb_core.cost import BatchStats
 from odb_core.errors import ODBError
 from odb_core.protocol import (
-    Contribution,
     RankAction,
     RankMachine,
     RankPhase,
     RoundResult,
-    StepInfo,
     rounds_bound,
     steps_bound,
 )
 from odb_core.sample import Sample
+from odb_core.step import StepInfo
 from odb_core.verify.invariants import (
     Counts,
     breaks_window_rule,

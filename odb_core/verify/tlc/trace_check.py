@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from odb_core.collective import Contribution
 from odb_core.errors import ConfigError, ODBError
-from odb_core.protocol import Contribution
 from odb_core.verify.model import ModelConfig
 from odb_core.verify.tlc.install import SPEC_INVARIANTS, SpecUnsupported
 from odb_core.verify.tlc.render import spec_constants, tla_value
