@@ -176,7 +176,7 @@ def test_version_gate_raises_on_a_missing_member_and_warns_outside_the_range() -
             self.callback_handler = self.control = self.accelerator = None
             self.model_accepts_loss_kwargs: bool = False
             self.optimizer, self.lr_scheduler = None, None  # a tuple counts too
-            self.label_smoother = None
+            self.label_smoother = self.is_deepspeed_enabled = None
 
     class Plain:  # sets none of them
         set_initial_training_values = get_batch_samples = loss_is_scaled_for_ga = None

@@ -1,10 +1,11 @@
 """The HF adapter's `PRIVATE_MEMBERS` (`versions.PRIVATE_MEMBERS["transformers"]`, what
 its version gate checks on an upgrade) names every transformers member the adapter
 relies on that is not documented API, read from the syntax of
-`odb_core/integrations/hf.py`:
+`odb_core/integrations/hf.py` and its callback's module, `hf_callback.py`:
 
-- `self.X` in `ODBHFTrainer` and `self.trainer.X` in its callback, X a `Trainer`
-  member (a class attribute, or an attribute Trainer's source sets on `self`);
+- `self.X` (or `getattr(self, "X", ...)`) in `ODBHFTrainer` and `self.trainer.X` in
+  its callback, X a `Trainer` member (a class attribute, or an attribute Trainer's
+  source sets on `self`);
 - a method or class attribute `ODBHFTrainer` defines that overrides a `Trainer`
   one (the loop calls it);
 - `state.X` in the callback's hooks (and `state = self.state`), X a `TrainerState`
@@ -30,7 +31,9 @@ from transformers.trainer_callback import ProgressCallback
 
 from odb_core.integrations import versions
 
-HF = Path(__file__).resolve().parents[1] / "odb_core" / "integrations" / "hf.py"
+ADAPTER = Path(__file__).resolve().parents[1] / "odb_core" / "integrations"
+#: The HF adapter's source: the trainer and its callback.
+HF_SOURCE = "\n".join((ADAPTER / name).read_text() for name in ("hf.py", "hf_callback.py"))
 OWNERS = {"Trainer": Trainer, "TrainerState": TrainerState, "ProgressCallback": ProgressCallback}
 
 #: Documented transformers API the adapter uses (transformers 5.24 docs / docstrings).
@@ -106,9 +109,12 @@ def used_members(source: str) -> set[str]:
                 and len(node.args) >= 2
                 and isinstance(node.args[1], ast.Constant)
                 and isinstance(node.args[1].value, str)
-                and versions.has_member(ProgressCallback, node.args[1].value)
             ):
-                used.add(f"ProgressCallback.{node.args[1].value}")
+                name, target = node.args[1].value, _attr_chain(node.args[0])
+                if trainer_class and target == ["self"] and versions.has_member(Trainer, name):
+                    used.add(f"Trainer.{name}")  # getattr(self, "X", default)
+                elif versions.has_member(ProgressCallback, name):
+                    used.add(f"ProgressCallback.{name}")
     return used
 
 
@@ -119,8 +125,8 @@ def unlisted(private: dict[str, str], source: str) -> set[str]:
 
 def test_every_undocumented_member_the_hf_adapter_uses_is_listed() -> None:
     private = versions.PRIVATE_MEMBERS["transformers"]
-    used = used_members(HF.read_text())
-    assert unlisted(private, HF.read_text()) == set()
+    used = used_members(HF_SOURCE)
+    assert unlisted(private, HF_SOURCE) == set()
     # ... and nothing stale: every listed member is used, and exists where it is gated
     assert set(private) <= used, sorted(set(private) - used)
     for name in private:
@@ -133,7 +139,7 @@ def test_every_undocumented_member_the_hf_adapter_uses_is_listed() -> None:
 def test_a_member_left_out_of_the_list_is_caught(member: str) -> None:
     private = dict(versions.PRIVATE_MEMBERS["transformers"])
     del private[member]
-    assert unlisted(private, HF.read_text()) == {member}
+    assert unlisted(private, HF_SOURCE) == {member}
 
 
 def test_the_scan_sees_each_kind_of_use() -> None:
@@ -143,6 +149,7 @@ class T(Trainer):
     loss_is_scaled_for_ga = True
     def f(self):
         self.label_smoother, self.odb_x = None, self.args
+        getattr(self, "is_deepspeed_enabled", False)
 class C(TrainerCallback):
     def on_step_end(self, args, state, control):
         state.compute_steps(args, 1)
@@ -154,6 +161,7 @@ class C(TrainerCallback):
         "Trainer.loss_is_scaled_for_ga",
         "Trainer.label_smoother",
         "Trainer.args",
+        "Trainer.is_deepspeed_enabled",
         "TrainerState.compute_steps",
         "Trainer.callback_handler",
         "ProgressCallback.training_bar",

@@ -209,7 +209,7 @@ def _replan_always(dm: Any, trainer: Any, epochs: int, plan: Any) -> int:
         return int(plan.upper)
     dm.load_pending()
     left = odb_pl.updates_left(dm.loader, epochs)
-    return int(dm.saved_plan["updates"]) + int(left or 0)
+    return int(dm.saved_plan.updates) + int(left or 0)
 
 
 BROKEN = {"old": _old_total, "replan": _replan_always}

@@ -38,7 +38,7 @@ from accelerate.utils import DistributedType, send_to_device  # type: ignore[imp
 
 from odb_core.errors import ConfigError
 from odb_core.integrations import versions
-from odb_core.integrations.short_schedule import short_schedule_message, step_sized
+from odb_core.integrations.short_schedule import warn_short_schedule
 from odb_core.integrations.versions import warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
@@ -213,17 +213,13 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
     def _check_short_schedule(self, epoch: int, steps: int, estimate: int) -> None:
         """At the end of an epoch shorter than the `len()` it reported: warn when a
         step-sized scheduler was prepared (the first point the shortfall is known)."""
-        schedulers = step_sized(self.accelerator._schedulers)
-        if steps < estimate and schedulers:
-            warn_once(
+        if steps < estimate:
+            warn_short_schedule(
                 _warned,
-                "short",
-                short_schedule_message(
-                    schedulers[0],
-                    ran=f"epoch {epoch} ran {steps} steps where len(train) estimated "
-                    f"{estimate} (an upper estimate, as in len(train) * epochs)",
-                    fix="ProgressLR(optimizer, train, epochs=E), prepared as usual,",
-                ),
+                self.accelerator._schedulers,
+                ran=f"epoch {epoch} ran {steps} steps where len(train) estimated "
+                f"{estimate} (an upper estimate, as in len(train) * epochs)",
+                fix="ProgressLR(optimizer, train, epochs=E), prepared as usual,",
                 stacklevel=5,
             )
 

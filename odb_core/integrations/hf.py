@@ -30,14 +30,13 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 import transformers
-from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint
 
 from odb_core.config import LossNormalization
 from odb_core.errors import ConfigError, ODBError
@@ -48,7 +47,9 @@ from odb_core.integrations.hf_args import (
     run_options,
     whole_epochs,
 )
+from odb_core.integrations.hf_callback import RunCallback
 from odb_core.integrations.hf_lr import ClampedLR, progress_lr
+from odb_core.integrations.short_schedule import resized_schedule_message
 from odb_core.integrations.versions import deprecated_names
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
@@ -63,7 +64,7 @@ from odb_core.torch.checkpoint import (
     write_states,
 )
 from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, zero_if_unweighted
-from odb_core.torch.plan import updates_plan
+from odb_core.torch.plan import RunFigures, RunPlan, resumed_figures, updates_left, updates_plan
 from odb_core.torch.trainer_checks import find_unused_for_vision
 from odb_core.torch.windows import next_window
 
@@ -164,9 +165,11 @@ class ODBHFTrainer(Trainer):
         self.odb_window_info: list[Any] = []
         self._odb_batches: _TrainBatches | None = None
         self._odb_resume_dir: str | None = None
-        self._odb_saved: dict[str, Any] = {}  # the sizes a resumed checkpoint planned
+        self._odb_saved: RunPlan | None = None  # the run's plan a resumed checkpoint holds
         self._odb_schedule_steps: int | None = None
         self._odb_planned_updates: int | None = None  # state.max_steps, the planned total
+        self._odb_warmup_base: int | None = None  # what warmup_steps are a fraction of
+        self._odb_figures: RunFigures | None = None  # the figures of the run's plan
         self._odb_target_epochs: int | None = None
         deepspeed = getattr(self, "is_deepspeed_enabled", False)
         check_training_args(self.args, self.odb_args, deepspeed, _warned)
@@ -174,7 +177,7 @@ class ODBHFTrainer(Trainer):
         self._check_train_dataset(self.train_dataset)
         # First in line: its on_step_end keeps state.max_steps ahead of global_step, or
         # at it on the run's last step, before DefaultFlowCallback reads it.
-        self.callback_handler.callbacks.insert(0, _ODBCallback(self))
+        self.callback_handler.callbacks.insert(0, RunCallback(self))
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -207,7 +210,7 @@ class ODBHFTrainer(Trainer):
         by_epochs = args.max_steps <= 0
         self._odb_target_epochs = whole_epochs(args.num_train_epochs) if by_epochs else None
         self._odb_batches = _TrainBatches(loader, self._odb_target_epochs)
-        self._odb_saved = {}
+        self._odb_saved, self._odb_figures = None, None
         if self._odb_resume_dir is not None:
             self._load_odb_state(self._odb_resume_dir)
         return self._odb_batches
@@ -245,13 +248,19 @@ class ODBHFTrainer(Trainer):
                 max_steps * accum,
                 max_steps,
             )
-        per_epoch, saved, samples = plan.epoch_cap, self._odb_saved, plan.samples
+        per_epoch, samples, loader = plan.epoch_cap, plan.samples, batches.loader
         if epochs is not None:
             max_steps = epochs * per_epoch
-            self._odb_schedule_steps = saved.get("schedule_steps") or plan.upper
-            # A plan for another number of epochs (a run extended on resume) is replanned.
-            kept = saved.get("num_train_epochs") == epochs and saved.get("planned_updates")
-            self._odb_planned_updates = kept or plan.planned
+            figures = resumed_figures(  # the one resume rule (odb_core.torch.plan)
+                plan,
+                self._odb_saved,
+                world_size=loader.world_size,
+                epochs=epochs,
+                max_steps=args.max_steps,
+                left=lambda: updates_left(loader, epochs),
+            )
+            self._odb_schedule_steps, self._odb_planned_updates = figures.total, figures.planned
+            self._odb_warmup_base, self._odb_figures = figures.warmup_base, figures
         log.info(plan.describe(self._odb_schedule_steps))
         per_update = plan.samples_per_update
         train_samples = samples * epochs if epochs is not None else max_steps * per_update
@@ -277,7 +286,7 @@ class ODBHFTrainer(Trainer):
                 optimizer or self.optimizer,
                 self,
                 epochs=epochs,
-                planned_updates=max(1, self._odb_planned_updates or num_training_steps),
+                planned_updates=max(1, self._odb_warmup_base or num_training_steps),
                 tokens=self.odb_args.lr_tokens,
             )
             if self.lr_scheduler is not None:
@@ -287,7 +296,24 @@ class ODBHFTrainer(Trainer):
         scheduler = super().create_scheduler(steps, optimizer)
         if created:
             self.lr_scheduler = ClampedLR.around(scheduler, steps)
+            self._warn_resized()
         return self.lr_scheduler
+
+    def _warn_resized(self) -> None:
+        """A step-sized schedule of a run a resume replanned changes length there."""
+        figures, loader = self._odb_figures, self.odb_loader
+        saved = None if figures is None else figures.replanned
+        if figures is None or saved is None or loader is None or saved.total == figures.total:
+            return
+        message = resized_schedule_message(
+            figures,
+            f"the length of lr_scheduler_type={self.args.lr_scheduler_type!r}",
+            world_size=loader.world_size,
+            epochs=self._odb_target_epochs,
+            fix="An lr_scheduler_type run on progress (linear, cosine, constant, "
+            "constant_with_warmup, cosine_with_min_lr; no other lr_scheduler_kwargs)",
+        )
+        versions.warn_once(_warned, "replanned", message)
 
     # ---- one window at a time ------------------------------------------------------------
 
@@ -420,14 +446,16 @@ class ODBHFTrainer(Trainer):
         if not self.args.should_save:
             return
         write_states(folder, states)
-        trainer = {
-            "schedule_steps": self._odb_schedule_steps,
-            "planned_updates": self._odb_planned_updates,
-            "num_train_epochs": self._odb_target_epochs,
-            "world_size": loader.world_size,
-            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
-        }
-        write_json(folder, TRAINER_STATE, trainer)
+        plan = RunPlan(
+            world_size=loader.world_size,
+            epochs=self._odb_target_epochs,
+            max_steps=self.args.max_steps,
+            updates=self.state.global_step,
+            total=self._odb_schedule_steps,
+            planned=self._odb_planned_updates,
+            warmup_base=self._odb_warmup_base,
+        )
+        write_json(folder, TRAINER_STATE, plan.to_dict())
 
     def _load_odb_state(self, folder: str) -> None:
         entry = read_states(folder)
@@ -438,60 +466,7 @@ class ODBHFTrainer(Trainer):
                 "from a checkpoint ODBHFTrainer saved, or start the training anew"
             )
         load_states(cast(ODBDataLoader, self.odb_loader), entry)
-        self._odb_saved = read_json(folder, TRAINER_STATE) or {}
-
-
-class _ODBCallback(TrainerCallback):
-    """Keeps `state.max_steps` (and so the progress bar) at the run's planned
-    optimizer updates (raised when the run outlasts it, set to the real count at
-    the end), fractional logging/eval/save steps on it, and `state.epoch` on the
-    loader's epochs."""
-
-    def __init__(self, trainer: ODBHFTrainer) -> None:
-        self.trainer = trainer
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        total = self.trainer._odb_planned_updates
-        if self.trainer._odb_target_epochs is None or total is None:
-            return
-        # The planned total (the progress bar's, which ProgressCallback builds after this).
-        state.max_steps = max(total, state.global_step + 1)
-        fractions = [getattr(args, f"{k}_steps", None) for k in ("logging", "eval", "save")]
-        if any(f is not None and 0 < f < 1 for f in fractions):
-            state.compute_steps(args, total)
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        t = self.trainer
-        loader, target = t.odb_loader, t._odb_target_epochs
-        if loader is not None:
-            state.epoch = loader.run_progress.epochs_run
-        if loader is not None and target is not None:
-            if loader.run_progress.epochs_done >= target:
-                # The window just trained closed the last epoch: this step is the run's
-                # last, and DefaultFlowCallback (after this one) ends the run there, with
-                # its final save and evaluation.
-                state.max_steps = state.global_step
-            elif state.global_step >= state.max_steps:
-                # The run outlasts its planned total: the epochs, not the plan, end it.
-                state.max_steps = state.global_step + 1
-        for bar in self._bars():  # the bar ends full, not at the estimate
-            if bar.total is not None and bar.total != state.max_steps:
-                bar.total = state.max_steps
-                bar.refresh()
-
-    def _bars(self) -> list[Any]:
-        """The training bars of the Trainer's ProgressCallbacks (PRIVATE_MEMBERS)."""
-        callbacks = self.trainer.callback_handler.callbacks
-        bars = [(getattr(cb, "training_bar", None), cb) for cb in callbacks]
-        return [b for b, cb in bars if b is not None and isinstance(cb, ProgressCallback)]
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # Every rank (a collective), after the Trainer saved its checkpoint folder.
-        folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        self.trainer.save_odb_state(folder)
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.close_odb_loader()
+        self._odb_saved = RunPlan.from_dict(read_json(folder, TRAINER_STATE), TRAINER_STATE)
 
 
 __getattr__ = deprecated_names(__name__, {"ODBTrainer": ("ODBHFTrainer", ODBHFTrainer)})

@@ -31,9 +31,9 @@ import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.strategies import Strategy
 
-from odb_core.errors import ConfigError, ODBError, ResumeStateError
+from odb_core.errors import ConfigError, ODBError
 from odb_core.integrations import versions
-from odb_core.integrations.short_schedule import short_schedule_message, step_sized
+from odb_core.integrations.short_schedule import resized_schedule_message, warn_short_schedule
 from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader, StepMeta, read_step_meta
@@ -44,7 +44,7 @@ from odb_core.torch.adapter_options import (
     trainer_windows,
 )
 from odb_core.torch.checkpoint import gather_states, load_states, states_of
-from odb_core.torch.plan import UpdatesPlan, updates_left, updates_plan
+from odb_core.torch.plan import RunPlan, UpdatesPlan, resumed_figures, updates_left, updates_plan
 from odb_core.torch.prefetch import PrefetchedPasses
 
 __all__ = [
@@ -68,11 +68,9 @@ SUPPORTED_LIGHTNING = versions.GATES["lightning"].fallback
 #: lists the public ones its gate checks).
 PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["lightning"]
 _warned: set[str] = set()
-#: The key of the DataModule's checkpoint entry that holds the run's plan of updates:
-#: {"world_size", "max_epochs", "max_steps", "updates" (done when saved), "total"
-#: (the `estimated_stepping_batches` the run reported, or None)}.
+#: The key of the DataModule's checkpoint entry that holds the run's plan of updates
+#: (`odb_core.torch.plan.RunPlan`; `total`: the `estimated_stepping_batches` reported).
 PLAN_KEY = "lightning_plan"
-_PLAN_FIELDS = ("world_size", "max_epochs", "max_steps", "updates", "total")
 #: Why the loader's windows cannot close on loss tokens here (`trainer_windows`).
 _NO_TOKENS = (
     "it closes windows on loss tokens, which Lightning's automatic optimization (a fixed "
@@ -156,7 +154,7 @@ class ODBDataModule(pl.LightningDataModule):
         self._passes: PrefetchedPasses | None = None  # the passes Lightning iterates
         self._train = _TrainLoader(self)
         self._pending: dict[str, Any] | None = None  # the loader states of a checkpoint
-        self.saved_plan: dict[str, Any] | None = None  # the run's plan a checkpoint holds
+        self.saved_plan: RunPlan | None = None  # the run's plan a checkpoint holds
         self.reported_estimate: int | float | None = None  # estimated_stepping_batches
         self._callback = ODBCallback()
 
@@ -179,27 +177,21 @@ class ODBDataModule(pl.LightningDataModule):
         if self._loader is None:
             return {}
         entry = gather_states(self._loader, self.passes.state())
-        return {**entry, PLAN_KEY: self._plan_fact()}
+        trainer, total = self.trainer, self.reported_estimate
+        plan = RunPlan(
+            world_size=self._loader.world_size,
+            epochs=None if trainer is None else trainer.max_epochs,
+            max_steps=-1 if trainer is None else trainer.max_steps,
+            updates=0 if trainer is None else int(trainer.global_step),
+            total=total if isinstance(total, int) else None,
+        )
+        return {**entry, PLAN_KEY: plan.to_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             states_of(state_dict)  # the shape checked now; the states when loaded
-            self.saved_plan = _checked_plan(state_dict.get(PLAN_KEY))
+            self.saved_plan = RunPlan.from_dict(state_dict.get(PLAN_KEY), PLAN_KEY)
             self._pending = dict(state_dict)
-
-    def _plan_fact(self) -> dict[str, Any]:
-        """The run's plan of updates as of this checkpoint: the figure
-        `estimated_stepping_batches` reported (what a schedule was sized to), at which
-        world size and epochs, and the optimizer updates done."""
-        trainer, loader = self.trainer, self.loader
-        total = self.reported_estimate
-        return {
-            "world_size": loader.world_size,
-            "max_epochs": None if trainer is None else trainer.max_epochs,
-            "max_steps": None if trainer is None else trainer.max_steps,
-            "updates": 0 if trainer is None else int(trainer.global_step),
-            "total": total if isinstance(total, int) else None,
-        }
 
     # ---- the loader ----
 
@@ -418,18 +410,14 @@ def _check_short_schedule(dm: ODBDataModule, trainer: pl.Trainer) -> None:
     ended_by_epochs = not trainer.interrupted and trainer.current_epoch >= (trainer.max_epochs or 0)
     if reported is None or done >= reported or not ended_by_epochs:
         return
-    schedulers = step_sized(c.scheduler for c in trainer.lr_scheduler_configs)
-    if schedulers:
-        _warn_once(
-            "short",
-            short_schedule_message(
-                schedulers[0],
-                ran=f"the run ended after {done} optimizer updates of the "
-                f"estimated_stepping_batches={reported} (the loader's upper estimate)",
-                fix="ProgressLR(optimizer, self.trainer.datamodule, "
-                "epochs=self.trainer.max_epochs) in configure_optimizers",
-            ),
-        )
+    warn_short_schedule(
+        _warned,
+        (c.scheduler for c in trainer.lr_scheduler_configs),
+        ran=f"the run ended after {done} optimizer updates of the "
+        f"estimated_stepping_batches={reported} (the loader's upper estimate)",
+        fix="ProgressLR(optimizer, self.trainer.datamodule, "
+        "epochs=self.trainer.max_epochs) in configure_optimizers",
+    )
 
 
 # ---- estimates: the Trainer's and the progress bar's ------------------------------------
@@ -468,62 +456,36 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
 
 
 def _run_total(dm: ODBDataModule, trainer: pl.Trainer, epochs: int, plan: UpdatesPlan) -> int:
-    """The run's planned updates: the plan's upper figure for a fresh run; on a
-    resume, the figure the checkpoint holds, or the updates done + the updates the
-    rest of the run needs at this world size."""
-    saved, world = dm.saved_plan, dm.loader.world_size
-    if saved is None:
-        return plan.upper
-    same = (saved["max_epochs"], saved["max_steps"]) == (trainer.max_epochs, trainer.max_steps)
-    if same and saved["world_size"] == world:
-        return int(saved["total"]) if saved["total"] is not None else plan.upper
-    dm.load_pending()  # the loader's position: where the rest of the run starts
-    left = updates_left(dm.loader, epochs)
-    if left is None:  # unreachable: a loader with a plan has an estimate
-        return plan.upper
-    total = int(saved["updates"]) + left
-    if saved["total"] is not None and total != saved["total"]:
-        _warn_once(
-            "replanned",
-            f"resumed at world size {world} (max_epochs={trainer.max_epochs}) from a checkpoint "
-            f"taken at world size {saved['world_size']} (max_epochs={saved['max_epochs']}): "
-            f"estimated_stepping_batches is now {saved['updates']} updates done + {left} left "
-            f"= {total}, not the run's {saved['total']}. A schedule sized from it in "
-            "configure_optimizers (e.g. a LambdaLR of total steps) changes length at the "
-            "resume: its rate jumps there, and it ends near, not exactly on, the last update. "
-            "ProgressLR(optimizer, trainer.datamodule, epochs=trainer.max_epochs) follows "
-            "the run's progress and ends exactly on the last update",
+    """The run's planned updates (`resumed_figures`, the one resume rule): the plan's
+    upper figure for a fresh run; on a resume, the figure the checkpoint holds (the
+    same run) or the updates done + the updates the rest of the run needs at this
+    world size, warned about (a schedule sized from it changes length)."""
+
+    def left() -> int | None:
+        dm.load_pending()  # the loader's position: where the rest of the run starts
+        return updates_left(dm.loader, epochs)
+
+    world = dm.loader.world_size
+    figures = resumed_figures(
+        plan,
+        dm.saved_plan,
+        world_size=world,
+        epochs=trainer.max_epochs,
+        max_steps=trainer.max_steps,
+        left=left,
+    )
+    saved, total = figures.replanned, figures.total
+    if saved is not None and saved.total is not None and total != saved.total:
+        fix = "ProgressLR(optimizer, trainer.datamodule, epochs=trainer.max_epochs)"
+        message = resized_schedule_message(
+            figures,
+            "estimated_stepping_batches (what a LambdaLR of total steps is sized to)",
+            world_size=world,
+            epochs=trainer.max_epochs,
+            fix=f"{fix} in configure_optimizers",
         )
+        _warn_once("replanned", message)
     return total
-
-
-def _checked_plan(value: Any) -> dict[str, Any] | None:
-    """The run's plan of a checkpoint (`PLAN_KEY`), checked: it comes from disk.
-    None when the checkpoint has none (saved by an older odb-core)."""
-    if value is None:
-        return None
-    if not isinstance(value, Mapping) or set(value) != set(_PLAN_FIELDS):
-        raise ResumeStateError(
-            f"the checkpoint's {PLAN_KEY!r} is {value!r}; expected a mapping with exactly "
-            f"the keys {list(_PLAN_FIELDS)}"
-        )
-
-    def whole(key: str, low: int, optional: bool) -> None:
-        v = value[key]
-        if v is None and optional:
-            return
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ResumeStateError(
-                f"the checkpoint's {PLAN_KEY!r} has {key}={v!r}; expected an integer >= {low}"
-                + (" or None" if optional else "")
-            )
-
-    whole("world_size", 1, False)
-    whole("max_epochs", -1, True)
-    whole("max_steps", -1, False)
-    whole("updates", 0, False)
-    whole("total", 1, True)
-    return dict(value)
 
 
 class ODBLightningTrainer(pl.Trainer):

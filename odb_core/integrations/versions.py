@@ -115,6 +115,7 @@ PRIVATE_MEMBERS: dict[str, dict[str, str]] = {
         "Trainer.callback_handler": "its callbacks list: the adapter's goes first (5.24)",
         "Trainer.control": "should_epoch_stop / should_training_stop at the loader's end (5.24)",
         "Trainer.model_accepts_loss_kwargs": "the model sums its loss over items (5.24)",
+        "Trainer.is_deepspeed_enabled": "DeepSpeed's own accumulation is refused (5.24)",
         "Trainer.label_smoother": "label smoothing on: the loss is no token sum (5.24)",
         "Trainer.accelerator": "num_processes, the factor of average_tokens_across_devices (5.24)",
         "Trainer.lr_scheduler": "the scheduler create_scheduler sets and the loop steps (5.24)",

@@ -4,6 +4,7 @@ already imported (`sys.modules`); imports no trainer library."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from typing import Any
@@ -52,12 +53,18 @@ def check_accelerate_accumulation(steps: int | None) -> None:
 
 def _check_plain_hf_trainer(loader: Any) -> None:
     """A plain `transformers.Trainer` sizes its epochs from len(loader), an estimate:
-    it cuts epochs (and stops short of max_steps)."""
+    it cuts epochs (and stops short of max_steps).
+
+    Which loop iterates the loader is known only from the caller frames (`self` of
+    a Trainer method up the stack): a Trainer marks no global state while it trains
+    (its Accelerator is the same under ODBHFTrainer), so the walk stays. It reads
+    public names only: the frames' `self`, `Trainer` and `args.max_steps`."""
     trainer_mod = sys.modules.get("transformers.trainer")
     trainer_cls = getattr(trainer_mod, "Trainer", None)
     if trainer_cls is None or getattr(loader, "_plain_trainer_warned", False):
         return
-    frame: Any = sys._getframe(2)
+    here = inspect.currentframe()  # this function's frame; its caller's caller first
+    frame: Any = None if here is None or here.f_back is None else here.f_back.f_back
     for _ in range(12):
         if frame is None:
             return
