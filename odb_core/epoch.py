@@ -24,7 +24,7 @@ from odb_core.progress import RunProgress, WindowCounts
 from odb_core.resume import EpochProgress
 from odb_core.step import StepInfo
 
-__all__ = ["EpochTracker", "Position", "RunPlan", "StepRecord"]
+__all__ = ["EpochStart", "EpochTracker", "Position", "StepRecord"]
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
-class RunPlan:
-    """How a protocol run over the epoch starts: from `start` = (step, emitted,
+class EpochStart:
+    """Where a protocol run over the epoch starts: from `start` = (step, emitted,
     window) with `plan` (None: a fresh epoch), skipping the steps before
     `skip_before` whose ids are `replay_ids` (an exact resume replays its run)."""
 
@@ -88,12 +88,12 @@ class EpochTracker:
         self.records: deque[StepRecord] = deque(maxlen=self.HISTORY)
         self.yielded = 0  # steps yielded by this pass
 
-    def plan(self, loaded: EpochProgress | None, *, exact: bool) -> RunPlan:
+    def plan(self, loaded: EpochProgress | None, *, exact: bool) -> EpochStart:
         """The run that starts now: an exact resume replays the saved run from its
         start (skipping, not re-collating, the steps before the saved one); any other
         starts where the epoch is (a non-exact resume: at the loaded step)."""
         if loaded is not None and exact:
-            run = RunPlan(
+            run = EpochStart(
                 replace(loaded, done=frozenset()),
                 (loaded.start_step, loaded.start_emitted, loaded.start_window),
                 loaded.step,
@@ -101,7 +101,7 @@ class EpochTracker:
             )
         else:
             pos = self.position
-            run = RunPlan(loaded, (pos.step, pos.emitted, pos.window))
+            run = EpochStart(loaded, (pos.step, pos.emitted, pos.window))
         self.start = run.start
         return run
 

@@ -209,7 +209,7 @@ def test_next_window_is_the_batches_up_to_the_closing_step(windows: dict[str, in
     pytest.importorskip("torch")
     from odb_core import ODBDataLoader
     from odb_core.errors import ODBError
-    from odb_core.torch.windows import next_window
+    from odb_core.torch.window_batches import next_window
 
     dl = ODBDataLoader(Rows(40), token_budget=48, buffer_size=8, collate_fn=collate, **windows)
     it = iter(dl)

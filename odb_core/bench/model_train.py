@@ -153,7 +153,7 @@ def _scheduler(rs: RankSetup, name: str, opt: Any, loader: Any, plans: list[Plan
     """A `--quality` run's schedule, linear to 0 at its last update (None otherwise)."""
     if rs.quality and name in RECIPES:
         from odb_core.schedule import TokenScaling, fixed_batch_tokens
-        from odb_core.torch.schedule import ProgressLR
+        from odb_core.torch.lr_scheduler import ProgressLR
 
         recipe = RECIPES[name]
         tokens = None

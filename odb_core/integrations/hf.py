@@ -66,7 +66,7 @@ from odb_core.torch.checkpoint import (
 from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, zero_if_unweighted
 from odb_core.torch.plan import RunFigures, RunPlan, resumed_figures, updates_left, updates_plan
 from odb_core.torch.trainer_checks import find_unused_for_vision
-from odb_core.torch.windows import next_window
+from odb_core.torch.window_batches import next_window
 
 __all__ = [
     "PRIVATE_MEMBERS",

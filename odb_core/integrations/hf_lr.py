@@ -73,7 +73,7 @@ def progress_lr(
     """A `ProgressLR` over `epochs` epochs of `source` running the schedule that
     `args` (`TrainingArguments`) names, token-aware with `tokens`; None where the
     type has no progress form (`tokens` then raises: the token-aware rate needs one)."""
-    from odb_core.torch.schedule import ProgressLR
+    from odb_core.torch.lr_scheduler import ProgressLR
 
     schedule = progress_schedule(
         args.lr_scheduler_type,

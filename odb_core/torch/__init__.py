@@ -15,6 +15,7 @@ from odb_core.torch.collate import pack_collate as pack_collate
 from odb_core.torch.collate import pad_collate as pad_collate
 from odb_core.torch.collate import use_packed_attention as use_packed_attention
 from odb_core.torch.loader import ODBDataLoader as ODBDataLoader
+from odb_core.torch.lr_scheduler import ProgressLR as ProgressLR
 from odb_core.torch.meta import STEP_META_KEY as STEP_META_KEY
 from odb_core.torch.meta import StepMeta as StepMeta
 from odb_core.torch.meta import causal_lm_loss as causal_lm_loss
@@ -22,7 +23,6 @@ from odb_core.torch.meta import pop_step_meta as pop_step_meta
 from odb_core.torch.meta import read_step_meta as read_step_meta
 from odb_core.torch.meta import scaled_loss as scaled_loss
 from odb_core.torch.profile import sample_profile as sample_profile
-from odb_core.torch.schedule import ProgressLR as ProgressLR
 from odb_core.torch.source import SampleLoadError as SampleLoadError
 from odb_core.torch.state import merge_states as merge_states
 from odb_core.torch.vlm import MRopeIndex as MRopeIndex
