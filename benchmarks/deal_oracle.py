@@ -33,7 +33,7 @@ from unittest import mock
 
 import numpy as np
 
-from odb_core import assign, protocol
+from odb_core import assign, collective
 from odb_core.config import Sharding
 from simulator.engine import SimConfig, simulate
 from simulator.hardware import make_hardware
@@ -131,7 +131,7 @@ def run_cell(
         plan = np.random.default_rng([seed, 1]).permutation(work.n).tolist()
         known = work.text + work.visual if costs == "true" else work.cached
         deal = OracleDeal(plan, known.tolist(), ranks, cfg.buffer_size)
-    with mock.patch.object(protocol, "deal", deal):
+    with mock.patch.object(collective, "deal", deal):
         res = simulate(cfg)
     odb, gmt = res["strategies"]["odb"], res["strategies"]["gmt"]
     if odb["violations"] or odb["lost_ids"] or odb["duplicated_ids"]:

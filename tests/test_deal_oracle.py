@@ -11,7 +11,7 @@ from types import ModuleType
 from typing import Any
 from unittest import mock
 
-from odb_core import assign, protocol
+from odb_core import assign, collective
 from odb_core.collective import Contribution
 
 
@@ -64,4 +64,4 @@ def test_a_simulated_epoch_under_the_oracle_is_exactly_once_with_the_real_pacing
         row = ORACLE.run_cell("mmmix", 16, 0, 2000, oracle=True)
     assert totals and all(got == want for got, want in totals)
     assert row["steps"] >= 1 and row["tail_steps"] >= 0  # run_cell raised on lost/dup ids
-    assert protocol.deal is real_deal  # the patch is undone
+    assert collective.deal is real_deal  # the patch is undone

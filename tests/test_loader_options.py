@@ -95,3 +95,17 @@ def test_odb_arguments_are_loader_options_with_the_loaders_defaults() -> None:
         "token_budget": 8,
         "cost_model": "padded",
     }
+
+
+def test_odb_arguments_pass_on_every_value_set_that_the_loader_would_not_assume() -> None:
+    """A field whose default is the Trainer's is passed on whenever set, also at the
+    loader's own default (`shuffle=False` would otherwise fall to the Trainer's
+    shuffle rule); a field at the loader's default, as the loader's, is left out."""
+    pytest.importorskip("transformers")
+    from odb_core.integrations.hf_args import ODBArguments
+
+    got = ODBArguments(token_budget=8, shuffle=False, seed=0, buffer_size=None).loader_options()
+    assert got["shuffle"] is False and got["seed"] == 0
+    assert "buffer_size" not in got
+    at_default = ODBArguments(token_budget=8, deterministic=False).loader_options()
+    assert "deterministic" not in at_default

@@ -116,7 +116,7 @@ class ODBArguments:
         opts = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in _TRAINER_FIELDS and _given(f.name, getattr(self, f.name))
+            if f.name not in _TRAINER_FIELDS and _given(f, getattr(self, f.name))
         }
         for key, value in self.loader_kwargs.items():
             if key in opts:
@@ -125,12 +125,21 @@ class ODBArguments:
         return check_options("ODBHFTrainer odb", opts, _OWNED, set() if warned is None else warned)
 
 
-def _given(name: str, value: Any) -> bool:
-    """Whether an `ODBArguments` field says more than the loader's default."""
+def _given(field: dataclasses.Field[Any], value: Any) -> bool:
+    """Whether an `ODBArguments` field says more than the loader's default: None never
+    does; a value does unless the field's own default is the loader's and the value
+    is that default (a field whose default is the Trainer's, such as `shuffle`, is
+    passed on whenever set: `shuffle=False` must not fall to the Trainer's rule)."""
     if value is None:
         return False
-    default = OPTION_DEFAULTS.get(name, dataclasses.MISSING)
-    return default is dataclasses.MISSING or type(value) is not type(default) or value != default
+    default = OPTION_DEFAULTS.get(field.name, dataclasses.MISSING)
+    if default is dataclasses.MISSING:
+        return True
+
+    def same(x: Any) -> bool:
+        return type(x) is type(default) and x == default
+
+    return not (same(field.default) and same(value))
 
 
 def check_training_args(
