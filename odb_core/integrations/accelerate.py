@@ -24,11 +24,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import accelerate  # type: ignore[import-untyped]
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator  # type: ignore[import-untyped]
 from accelerate.data_loader import DataLoaderStateMixin  # type: ignore[import-untyped]
-from accelerate.state import AcceleratorState, GradientState  # type: ignore[import-untyped]
+from accelerate.state import GradientState  # type: ignore[import-untyped]
 from accelerate.utils import send_to_device  # type: ignore[import-untyped]
 
 from odb_core.errors import ConfigError
@@ -59,13 +58,7 @@ _warned: set[str] = set()
 def check_accelerate_version(version: str | None = None) -> bool:
     """Warn once when `accelerate.__version__` is outside the supported range; raise
     `ConfigError` when a member the adapter relies on is missing."""
-    owners = {
-        "DataLoaderStateMixin": DataLoaderStateMixin,
-        "GradientState": GradientState,
-        "AcceleratorState": AcceleratorState,
-    }
-    owners["Accelerator"] = Accelerator
-    return versions.gate("accelerate", version or accelerate.__version__, owners, _warned)
+    return versions.gate("accelerate", version, warned=_warned)
 
 
 def prepare_odb_loader(

@@ -7,7 +7,7 @@ are warned about."""
 
 from __future__ import annotations
 
-from accelerate import Accelerator
+from accelerate import Accelerator  # type: ignore[import-untyped]
 from accelerate.utils import DistributedType  # type: ignore[import-untyped]
 
 from odb_core.errors import ConfigError

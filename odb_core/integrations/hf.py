@@ -30,9 +30,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
-import transformers
-from transformers import Trainer, TrainerState, TrainingArguments
-from transformers.trainer_callback import ProgressCallback
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from odb_core.config import LossNormalization
@@ -90,11 +88,7 @@ PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["transformers"]
 def check_transformers_version(version: str | None = None) -> bool:
     """Warn once when `transformers.__version__` is outside the supported range;
     raise `ConfigError` when the Trainer lacks a member the adapter relies on."""
-    return versions.gate("transformers", version or transformers.__version__, _OWNERS, _warned)
-
-
-#: The classes whose members `PRIVATE_MEMBERS` names (`versions.has_member`).
-_OWNERS = {"Trainer": Trainer, "TrainerState": TrainerState, "ProgressCallback": ProgressCallback}
+    return versions.gate("transformers", version, warned=_warned)
 
 
 # ---- what the Trainer's loop iterates ----------------------------------------------------

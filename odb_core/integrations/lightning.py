@@ -23,11 +23,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import lightning
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.strategies import Strategy
 
 from odb_core.errors import ConfigError, ODBError
 from odb_core.integrations import lightning_plan, versions
@@ -88,8 +86,7 @@ def _warn_once(key: str, message: str) -> None:
 def check_lightning_version(version: str | None = None) -> bool:
     """Warn once when `lightning.__version__` is outside the supported range; raise
     `ConfigError` when a member the adapter relies on is missing."""
-    owners = {"Trainer": pl.Trainer, "Strategy": Strategy, "TQDMProgressBar": TQDMProgressBar}
-    return versions.gate("lightning", version or lightning.__version__, owners, _warned)
+    return versions.gate("lightning", version, warned=_warned)
 
 
 # ---- the DataModule ---------------------------------------------------------------------
@@ -174,15 +171,7 @@ class ODBDataModule(pl.LightningDataModule):
         if self._loader is None:
             return {}
         entry = gather_states(self._loader, self.passes.state())
-        trainer, total = self.trainer, self.reported_estimate
-        plan = RunPlan(
-            world_size=self._loader.world_size,
-            epochs=None if trainer is None else trainer.max_epochs,
-            max_steps=-1 if trainer is None else trainer.max_steps,
-            updates=0 if trainer is None else int(trainer.global_step),
-            total=total if isinstance(total, int) else None,
-        )
-        return {**entry, PLAN_KEY: plan.to_dict()}
+        return {**entry, PLAN_KEY: lightning_plan.run_plan(self, self.trainer).to_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:

@@ -2,9 +2,10 @@
 `estimated_stepping_batches` and its resume): `estimated_stepping_batches` from the
 loader's upper estimate (Lightning's reads `len()`, which the ODB train loader does
 not have), the run's total on a resume (`odb_core.torch.plan.resumed_figures`, the
-one resume rule), and the warnings when the run passes that figure or ends short of
-it. `dm` is always the run's `ODBDataModule` (odb_core.integrations.lightning, which
-imports this module and checks that first)."""
+one resume rule), what the checkpoint keeps of the plan (`run_plan`), and the
+warnings when the run passes that figure or ends short of it. `dm` is always the
+run's `ODBDataModule` (odb_core.integrations.lightning, which imports this module
+and checks that first)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,15 @@ import lightning.pytorch as pl
 
 from odb_core.integrations.short_schedule import resized_schedule_message, warn_short_schedule
 from odb_core.integrations.versions import warn_once
-from odb_core.torch.plan import UpdatesPlan, resumed_figures, updates_left
+from odb_core.torch.plan import RunPlan, UpdatesPlan, resumed_figures, updates_left
 
-__all__ = ["check_past_estimate", "check_short_schedule", "planned_stepping_batches", "warned"]
+__all__ = [
+    "check_past_estimate",
+    "check_short_schedule",
+    "planned_stepping_batches",
+    "run_plan",
+    "warned",
+]
 
 #: The Lightning adapter's warn-once keys (`odb_core.integrations.lightning._warned`).
 warned: set[str] = set()
@@ -82,6 +89,20 @@ def _run_total(dm: Any, trainer: pl.Trainer, epochs: int, plan: UpdatesPlan) -> 
         )
         warn_once(warned, "replanned", message)
     return total
+
+
+def run_plan(dm: Any, trainer: pl.Trainer | None) -> RunPlan:
+    """What the DataModule's checkpoint keeps of the run's plan (its `PLAN_KEY`
+    entry): the world size, epochs and max_steps it is for, the updates done, and
+    the `estimated_stepping_batches` reported (`total`). `dm`'s loader is built."""
+    total = dm.reported_estimate
+    return RunPlan(
+        world_size=dm.loader.world_size,
+        epochs=None if trainer is None else trainer.max_epochs,
+        max_steps=-1 if trainer is None else trainer.max_steps,
+        updates=0 if trainer is None else int(trainer.global_step),
+        total=total if isinstance(total, int) else None,
+    )
 
 
 def check_past_estimate(dm: Any, trainer: pl.Trainer) -> None:
