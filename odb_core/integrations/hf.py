@@ -43,21 +43,14 @@ from odb_core.integrations.hf_args import (
     whole_epochs,
 )
 from odb_core.integrations.hf_callback import RunCallback
+from odb_core.integrations.hf_checkpoint import resume_folder, write_folder
 from odb_core.integrations.hf_lr import ClampedLR, progress_lr
 from odb_core.integrations.hf_plan import loop_sizes, warn_resized
 from odb_core.integrations.versions import deprecated_names
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
 from odb_core.torch.adapter_options import check_dataset
-from odb_core.torch.checkpoint import (
-    STATES_FILE,
-    gather_states,
-    load_states,
-    read_json,
-    read_states,
-    write_json,
-    write_states,
-)
+from odb_core.torch.checkpoint import gather_states
 from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, zero_if_unweighted
 from odb_core.torch.plan import RunFigures, RunPlan
 from odb_core.torch.trainer_checks import find_unused_for_vision
@@ -75,8 +68,6 @@ __all__ = [
 #: The transformers versions this adapter is tested with when odb-core's metadata
 #: names no `[hf]` range (`versions.GATES`).
 SUPPORTED_TRANSFORMERS = versions.GATES["transformers"].fallback
-#: The file each checkpoint folder gets beside the loader states (checkpoint.STATES_FILE).
-TRAINER_STATE = "odb_trainer.json"
 
 _warned: set[str] = set()
 
@@ -401,7 +392,6 @@ class ODBHFTrainer(Trainer):
         states = gather_states(loader)
         if not self.args.should_save:
             return
-        write_states(folder, states)
         plan = RunPlan(
             world_size=loader.world_size,
             epochs=self._odb_target_epochs,
@@ -411,18 +401,10 @@ class ODBHFTrainer(Trainer):
             planned=self._odb_planned_updates,
             warmup_base=self._odb_warmup_base,
         )
-        write_json(folder, TRAINER_STATE, plan.to_dict())
+        write_folder(folder, states, plan)
 
     def _load_odb_state(self, folder: str) -> None:
-        entry = read_states(folder)
-        if entry is None:
-            raise ConfigError(
-                f"checkpoint {folder} has no ODB loader state ({STATES_FILE}): it was not "
-                "written by ODBHFTrainer, so the epoch cannot resume exactly once. Resume "
-                "from a checkpoint ODBHFTrainer saved, or start the training anew"
-            )
-        load_states(cast(ODBDataLoader, self.odb_loader), entry)
-        self._odb_saved = RunPlan.from_dict(read_json(folder, TRAINER_STATE), TRAINER_STATE)
+        self._odb_saved = resume_folder(folder, cast(ODBDataLoader, self.odb_loader))
 
 
 __getattr__ = deprecated_names(__name__, {"ODBTrainer": ("ODBHFTrainer", ODBHFTrainer)})
