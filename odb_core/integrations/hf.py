@@ -19,8 +19,9 @@ short window reaches `get_batch_samples` preceded by empty fill entries
 loss tokens (`meta.loss_denominator`). Beside it, one job each: `hf_args`
 (`ODBArguments`, the checks of the Trainer's arguments), `hf_plan` (the loop's sizes
 and the run's plan), `hf_lr` (the schedule), `hf_callback` (the Trainer's view of
-the plan, the loader state at each save); the members that are not public API:
-`PRIVATE_MEMBERS`.
+the plan, a save at each checkpoint), `hf_checkpoint` (what a checkpoint folder holds:
+every rank's loader state, so no `skip_first_batches`); the members that are not
+public API: `PRIVATE_MEMBERS`.
 """
 
 from __future__ import annotations
