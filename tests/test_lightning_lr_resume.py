@@ -55,6 +55,7 @@ from sft_support import VOCAB, ChatSFT, pad_collate  # noqa: E402
 
 from odb_core.bench.launch import free_port  # noqa: E402
 from odb_core.integrations import lightning as odb_pl  # noqa: E402
+from odb_core.integrations import lightning_plan as odb_plan  # noqa: E402
 from odb_core.integrations.lightning import (  # noqa: E402
     ODBDataModule,
     ODBLightningTrainer,
@@ -193,7 +194,7 @@ def run_first(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         torch.distributed.barrier()
         out[f"{kind}/first"] = _fit(kind, root / kind / "first", world, stop_at=STOP_AT)
         torch.distributed.barrier()
-    odb_pl._check_short_schedule = lambda *a: None  # broken: the check switched off
+    odb_plan.check_short_schedule = lambda *a: None  # broken: the check switched off
     out["lambda/unwarned"] = _fit("lambda", root / "lambda" / "unwarned", world)
     return out
 
@@ -208,7 +209,7 @@ def _replan_always(dm: Any, trainer: Any, epochs: int, plan: Any) -> int:
     if dm.saved_plan is None:
         return int(plan.upper)
     dm.load_pending()
-    left = odb_pl.updates_left(dm.loader, epochs)
+    left = odb_plan.updates_left(dm.loader, epochs)
     return int(dm.saved_plan.updates) + int(left or 0)
 
 
@@ -220,7 +221,7 @@ def run_resume(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     (`spec["broken"]`: a broken variant of the resumed figure)."""
     _env(rank, world, spec["port"])
     if spec.get("broken"):
-        odb_pl._run_total = BROKEN[spec["broken"]]  # type: ignore[assignment]
+        odb_plan._run_total = BROKEN[spec["broken"]]  # type: ignore[assignment]
     root = Path(spec["root"])
     out: dict[str, Any] = {}
     for kind in spec["kinds"]:

@@ -14,13 +14,8 @@
 
 What Accelerate 1.16 does (`prepare()` wraps only torch DataLoaders, `accumulate()`
 counts its own windows, `backward()` divides by `gradient_accumulation_steps`) and
-what the adapter does about it: docs/TRAINERS.md, "Accelerate". In short: batches
-move to the device, `accelerator.sync_gradients` follows the loader's windows (keep
-`Accelerator(gradient_accumulation_steps=1)`; anything else raises),
-`end_of_dataloader` is set on the epoch's last batch, and `save_state`/`load_state`
-carry every rank's loader state (`odb_core.torch.checkpoint`). Call
-`prepare_odb_loader` in the same order in the run that loads, and do not call
-`accelerator.skip_first_batches`.
+what the adapter does about it: docs/TRAINERS.md, "Accelerate". What
+`prepare_odb_loader` refuses or warns about: `odb_core.integrations.accelerate_checks`.
 """
 
 from __future__ import annotations
@@ -29,20 +24,18 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import accelerate  # type: ignore[import-untyped]
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator  # type: ignore[import-untyped]
 from accelerate.data_loader import DataLoaderStateMixin  # type: ignore[import-untyped]
-from accelerate.state import AcceleratorState, GradientState  # type: ignore[import-untyped]
-from accelerate.utils import DistributedType, send_to_device  # type: ignore[import-untyped]
+from accelerate.state import GradientState  # type: ignore[import-untyped]
+from accelerate.utils import send_to_device  # type: ignore[import-untyped]
 
 from odb_core.errors import ConfigError
 from odb_core.integrations import versions
+from odb_core.integrations.accelerate_checks import check_accelerator
 from odb_core.integrations.short_schedule import warn_short_schedule
-from odb_core.integrations.versions import warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
-from odb_core.torch.adapter_options import check_world
 from odb_core.torch.checkpoint import gather_states, load_states
 from odb_core.torch.trainer_checks import check_accelerate_accumulation
 
@@ -59,24 +52,13 @@ __all__ = [
 SUPPORTED_ACCELERATE = versions.GATES["accelerate"].fallback
 #: Accelerate internals it relies on (`versions.PRIVATE_MEMBERS`).
 PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["accelerate"]
-_UNSUPPORTED = {
-    DistributedType.DEEPSPEED: "DeepSpeed scales and accumulates gradients in its own engine",
-    DistributedType.MEGATRON_LM: "Megatron-LM runs its own data and accumulation loop",
-    DistributedType.XLA: "XLA devices feed batches through their own loader",
-}
 _warned: set[str] = set()
 
 
 def check_accelerate_version(version: str | None = None) -> bool:
     """Warn once when `accelerate.__version__` is outside the supported range; raise
     `ConfigError` when a member the adapter relies on is missing."""
-    owners = {
-        "DataLoaderStateMixin": DataLoaderStateMixin,
-        "GradientState": GradientState,
-        "AcceleratorState": AcceleratorState,
-    }
-    owners["Accelerator"] = Accelerator
-    return versions.gate("accelerate", version or accelerate.__version__, owners, _warned)
+    return versions.gate("accelerate", version, warned=_warned)
 
 
 def prepare_odb_loader(
@@ -112,41 +94,7 @@ class ODBAcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]
         register_for_checkpointing: bool = True,
     ) -> None:
         check_accelerate_version()
-        if not isinstance(loader, ODBDataLoader):
-            fix = (
-                "build an odb_core.ODBDataLoader(dataset, token_budget=..., collate_fn=...) and "
-                "pass that (a plain DataLoader goes through accelerator.prepare() instead)"
-            )
-            raise ConfigError(
-                f"prepare_odb_loader needs an ODBDataLoader, got {type(loader).__name__}: {fix}"
-            )
-        if not isinstance(accelerator, Accelerator):
-            raise ConfigError(
-                f"prepare_odb_loader(accelerator, loader): {type(accelerator).__name__} is not "
-                "an accelerate.Accelerator"
-            )
-        reason = _UNSUPPORTED.get(accelerator.distributed_type)
-        if reason is not None:
-            raise ConfigError(
-                f"prepare_odb_loader does not support {accelerator.distributed_type}: {reason}"
-            )
-        fix = "build the ODBDataLoader after Accelerator() (which starts the process group)"
-        check_world(loader, accelerator.num_processes, "the Accelerator", fix)
-        check_accelerate_accumulation(accelerator.gradient_accumulation_steps)
-        config = accelerator.dataloader_config
-        for name, value, default in (
-            ("split_batches", config.split_batches, False),
-            ("dispatch_batches", config.dispatch_batches, None),
-            ("data_seed", config.data_seed, None),
-        ):
-            if value != default:
-                warn_once(
-                    _warned,
-                    f"config:{name}",
-                    f"DataLoaderConfiguration({name}={value!r}) is ignored for an ODBDataLoader: "
-                    "every rank forms its own token-budget batches from its own share of the "
-                    "data (seed the order with ODBDataLoader(seed=...))",
-                )
+        check_accelerator(accelerator, loader, _warned)
         self.accelerator = accelerator
         self.loader = loader
         self.device_placement = (

@@ -12,30 +12,26 @@ is an `ODBDataLoader` built from `train_dataset` and `data_collator`.
     trainer.train()                       # or trainer.train(resume_from_checkpoint=True)
 
 What transformers 5.24's Trainer does (its loop sized from `len(train_dataloader)`,
-G micro-batches per optimizer step, its own loss normalisation, `skip_first_batches`
-on resume) and what the adapter does about it, through overridable methods and one
-callback (the members that are not public API are in `PRIVATE_MEMBERS`; nothing is
-patched): docs/TRAINERS.md, "Hugging Face Trainer". In short: an epoch ends with
-the loader's (`loader.step_bound()` keeps the Trainer's per-epoch cap out of reach),
-`get_batch_samples` hands the loop one loader window (a short one preceded by empty
-fill entries), `compute_loss` normalises by the window's loss tokens
-(`meta.loss_denominator`), and each checkpoint folder holds every rank's loader
-state (`odb_core.torch.checkpoint`, the format of every adapter). `ODBArguments` and
-the checks of the Trainer's arguments: `odb_core.integrations.hf_args`.
+G micro-batches per optimizer step, its own loss normalisation) and what the adapter
+overrides about it, patching nothing: docs/TRAINERS.md, "Hugging Face Trainer". A
+short window reaches `get_batch_samples` preceded by empty fill entries
+(`_WindowFill`) that `training_step` skips; `compute_loss` normalises by the window's
+loss tokens (`meta.loss_denominator`). Beside it, one job each: `hf_args`
+(`ODBArguments`, the checks of the Trainer's arguments), `hf_plan` (the loop's sizes
+and the run's plan), `hf_lr` (the schedule), `hf_callback` (the Trainer's view of
+the plan, a save at each checkpoint), `hf_checkpoint` (what a checkpoint folder holds:
+every rank's loader state, so no `skip_first_batches`); the members that are not
+public API: `PRIVATE_MEMBERS`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
-import transformers
-from transformers import Trainer, TrainerState, TrainingArguments
-from transformers.trainer_callback import ProgressCallback
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from odb_core.config import LossNormalization
@@ -48,23 +44,16 @@ from odb_core.integrations.hf_args import (
     whole_epochs,
 )
 from odb_core.integrations.hf_callback import RunCallback
+from odb_core.integrations.hf_checkpoint import resume_folder, write_folder
 from odb_core.integrations.hf_lr import ClampedLR, progress_lr
-from odb_core.integrations.short_schedule import resized_schedule_message
+from odb_core.integrations.hf_plan import loop_sizes, warn_resized
 from odb_core.integrations.versions import deprecated_names
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader
 from odb_core.torch.adapter_options import check_dataset
-from odb_core.torch.checkpoint import (
-    STATES_FILE,
-    gather_states,
-    load_states,
-    read_json,
-    read_states,
-    write_json,
-    write_states,
-)
+from odb_core.torch.checkpoint import gather_states
 from odb_core.torch.meta import STEP_META_KEY, pop_step_meta, scaled_loss, zero_if_unweighted
-from odb_core.torch.plan import RunFigures, RunPlan, resumed_figures, updates_left, updates_plan
+from odb_core.torch.plan import RunFigures, RunPlan
 from odb_core.torch.trainer_checks import find_unused_for_vision
 from odb_core.torch.window_batches import next_window
 
@@ -77,13 +66,9 @@ __all__ = [
     "check_transformers_version",
 ]
 
-log = logging.getLogger("odb_core")
-
 #: The transformers versions this adapter is tested with when odb-core's metadata
 #: names no `[hf]` range (`versions.GATES`).
 SUPPORTED_TRANSFORMERS = versions.GATES["transformers"].fallback
-#: The file each checkpoint folder gets beside the loader states (checkpoint.STATES_FILE).
-TRAINER_STATE = "odb_trainer.json"
 
 _warned: set[str] = set()
 
@@ -95,11 +80,7 @@ PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["transformers"]
 def check_transformers_version(version: str | None = None) -> bool:
     """Warn once when `transformers.__version__` is outside the supported range;
     raise `ConfigError` when the Trainer lacks a member the adapter relies on."""
-    return versions.gate("transformers", version or transformers.__version__, _OWNERS, _warned)
-
-
-#: The classes whose members `PRIVATE_MEMBERS` names (`versions.has_member`).
-_OWNERS = {"Trainer": Trainer, "TrainerState": TrainerState, "ProgressCallback": ProgressCallback}
+    return versions.gate("transformers", version, warned=_warned)
 
 
 # ---- what the Trainer's loop iterates ----------------------------------------------------
@@ -233,39 +214,11 @@ class ODBHFTrainer(Trainer):
                 f"builds (an ODBDataLoader); got {type(dataloader).__name__}. Do not override "
                 "get_train_dataloader; pass the dataset and odb=ODBArguments(...) instead"
             )
-        accum, max_steps, epochs = args.gradient_accumulation_steps, args.max_steps, batches.epochs
-        plan = updates_plan(batches.loader, epochs or 1)
-        self._odb_schedule_steps = self._odb_planned_updates = max_steps
-        if plan is None:  # a stream, run for max_steps (the Trainer rejects it otherwise)
-            per_update = args.world_size
-            examples = max_steps * per_update
-            return (
-                sys.maxsize,
-                max_steps,
-                examples,
-                examples,
-                per_update,
-                max_steps * accum,
-                max_steps,
-            )
-        per_epoch, samples, loader = plan.epoch_cap, plan.samples, batches.loader
-        if epochs is not None:
-            max_steps = epochs * per_epoch
-            figures = resumed_figures(  # the one resume rule (odb_core.torch.plan)
-                plan,
-                self._odb_saved,
-                world_size=loader.world_size,
-                epochs=epochs,
-                max_steps=args.max_steps,
-                left=lambda: updates_left(loader, epochs),
-            )
-            self._odb_schedule_steps, self._odb_planned_updates = figures.total, figures.planned
-            self._odb_warmup_base, self._odb_figures = figures.warmup_base, figures
-        log.info(plan.describe(self._odb_schedule_steps))
-        per_update = plan.samples_per_update
-        train_samples = samples * epochs if epochs is not None else max_steps * per_update
-        epochs = epochs or sys.maxsize
-        return epochs, per_epoch, samples, train_samples, per_update, per_epoch * accum, max_steps
+        run = loop_sizes(args, batches.loader, batches.epochs, self._odb_saved)
+        self._odb_schedule_steps, self._odb_planned_updates = run.schedule_steps, run.planned
+        if run.figures is not None:  # a run of epochs: the figures of its plan
+            self._odb_warmup_base, self._odb_figures = run.figures.warmup_base, run.figures
+        return run.sizes
 
     @property
     def run_progress(self) -> RunProgress:
@@ -301,19 +254,14 @@ class ODBHFTrainer(Trainer):
 
     def _warn_resized(self) -> None:
         """A step-sized schedule of a run a resume replanned changes length there."""
-        figures, loader = self._odb_figures, self.odb_loader
-        saved = None if figures is None else figures.replanned
-        if figures is None or saved is None or loader is None or saved.total == figures.total:
-            return
-        message = resized_schedule_message(
-            figures,
-            f"the length of lr_scheduler_type={self.args.lr_scheduler_type!r}",
-            world_size=loader.world_size,
-            epochs=self._odb_target_epochs,
-            fix="An lr_scheduler_type run on progress (linear, cosine, constant, "
-            "constant_with_warmup, cosine_with_min_lr; no other lr_scheduler_kwargs)",
-        )
-        versions.warn_once(_warned, "replanned", message)
+        if self.odb_loader is not None:
+            warn_resized(
+                _warned,
+                self._odb_figures,
+                scheduler_type=self.args.lr_scheduler_type,
+                world_size=self.odb_loader.world_size,
+                epochs=self._odb_target_epochs,
+            )
 
     # ---- one window at a time ------------------------------------------------------------
 
@@ -445,7 +393,6 @@ class ODBHFTrainer(Trainer):
         states = gather_states(loader)
         if not self.args.should_save:
             return
-        write_states(folder, states)
         plan = RunPlan(
             world_size=loader.world_size,
             epochs=self._odb_target_epochs,
@@ -455,18 +402,10 @@ class ODBHFTrainer(Trainer):
             planned=self._odb_planned_updates,
             warmup_base=self._odb_warmup_base,
         )
-        write_json(folder, TRAINER_STATE, plan.to_dict())
+        write_folder(folder, states, plan)
 
     def _load_odb_state(self, folder: str) -> None:
-        entry = read_states(folder)
-        if entry is None:
-            raise ConfigError(
-                f"checkpoint {folder} has no ODB loader state ({STATES_FILE}): it was not "
-                "written by ODBHFTrainer, so the epoch cannot resume exactly once. Resume "
-                "from a checkpoint ODBHFTrainer saved, or start the training anew"
-            )
-        load_states(cast(ODBDataLoader, self.odb_loader), entry)
-        self._odb_saved = RunPlan.from_dict(read_json(folder, TRAINER_STATE), TRAINER_STATE)
+        self._odb_saved = resume_folder(folder, cast(ODBDataLoader, self.odb_loader))
 
 
 __getattr__ = deprecated_names(__name__, {"ODBTrainer": ("ODBHFTrainer", ODBHFTrainer)})

@@ -10,14 +10,12 @@
         loss = scaled_loss(meta, self.model(**batch).loss)
         return lightning_loss(self, loss)                 # undoes Lightning's `/ G`
 
-What Lightning 2.6's fit loop does (it prefetches one batch, ends an epoch at
-`len()`, divides the loss by `accumulate_grad_batches`, saves from rank 0) and what
-the adapter does about it: docs/TRAINERS.md, "Lightning". In short: Lightning gets
-the loader without a length, so it ends the epoch with the loader and knows its last
-batch; the metadata travels in the batch; the loader's windows are Lightning's
-(`grad_accum_steps = accumulate_grad_batches`, checked at every step); the
-checkpoint holds every rank's state as of the batch in training, not the prefetched
-one (`odb_core.torch.prefetch`, `odb_core.torch.checkpoint`).
+Why each piece is built as it is (Lightning 2.6's fit loop: one batch prefetched,
+the epoch ended at `len()`, the loss divided by `accumulate_grad_batches`, rank 0
+saving): docs/TRAINERS.md, "Lightning". The passes one batch ahead of training, and
+the checkpoint as of the batch in training: `odb_core.torch.prefetch`. The run's
+figures (`estimated_stepping_batches`, its resume, the warnings about them):
+`odb_core.integrations.lightning_plan`.
 """
 
 from __future__ import annotations
@@ -25,15 +23,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import lightning
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.strategies import Strategy
 
 from odb_core.errors import ConfigError, ODBError
-from odb_core.integrations import versions
-from odb_core.integrations.short_schedule import resized_schedule_message, warn_short_schedule
+from odb_core.integrations import lightning_plan, versions
 from odb_core.integrations.versions import deprecated_names, warn_once
 from odb_core.progress import RunProgress
 from odb_core.torch import ODBDataLoader, StepMeta, read_step_meta
@@ -44,7 +39,7 @@ from odb_core.torch.adapter_options import (
     trainer_windows,
 )
 from odb_core.torch.checkpoint import gather_states, load_states, states_of
-from odb_core.torch.plan import RunPlan, UpdatesPlan, resumed_figures, updates_left, updates_plan
+from odb_core.torch.plan import RunPlan, UpdatesPlan, updates_plan
 from odb_core.torch.prefetch import PrefetchedPasses
 
 __all__ = [
@@ -67,7 +62,7 @@ SUPPORTED_LIGHTNING = versions.GATES["lightning"].fallback
 #: Lightning members it relies on that are not public API: none (`versions.GATES`
 #: lists the public ones its gate checks).
 PRIVATE_MEMBERS = versions.PRIVATE_MEMBERS["lightning"]
-_warned: set[str] = set()
+_warned = lightning_plan.warned  # the adapter's warn-once keys, one set
 #: The key of the DataModule's checkpoint entry that holds the run's plan of updates
 #: (`odb_core.torch.plan.RunPlan`; `total`: the `estimated_stepping_batches` reported).
 PLAN_KEY = "lightning_plan"
@@ -91,8 +86,7 @@ def _warn_once(key: str, message: str) -> None:
 def check_lightning_version(version: str | None = None) -> bool:
     """Warn once when `lightning.__version__` is outside the supported range; raise
     `ConfigError` when a member the adapter relies on is missing."""
-    owners = {"Trainer": pl.Trainer, "Strategy": Strategy, "TQDMProgressBar": TQDMProgressBar}
-    return versions.gate("lightning", version or lightning.__version__, owners, _warned)
+    return versions.gate("lightning", version, warned=_warned)
 
 
 # ---- the DataModule ---------------------------------------------------------------------
@@ -177,15 +171,7 @@ class ODBDataModule(pl.LightningDataModule):
         if self._loader is None:
             return {}
         entry = gather_states(self._loader, self.passes.state())
-        trainer, total = self.trainer, self.reported_estimate
-        plan = RunPlan(
-            world_size=self._loader.world_size,
-            epochs=None if trainer is None else trainer.max_epochs,
-            max_steps=-1 if trainer is None else trainer.max_steps,
-            updates=0 if trainer is None else int(trainer.global_step),
-            total=total if isinstance(total, int) else None,
-        )
-        return {**entry, PLAN_KEY: plan.to_dict()}
+        return {**entry, PLAN_KEY: lightning_plan.run_plan(self, self.trainer).to_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
@@ -355,7 +341,7 @@ class ODBCallback(Callback):
         if isinstance(dm, ODBDataModule) and dm._loader is not None:
             dm._loader.close()
         if isinstance(dm, ODBDataModule):
-            _check_short_schedule(dm, trainer)
+            lightning_plan.check_short_schedule(dm, trainer)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -393,31 +379,7 @@ class ODBCallback(Callback):
                     f"Trainer(accumulate_grad_batches) equal to the loader's grad_accum_steps "
                     f"({dm.window_steps or 1}) and do not change it during the run"
                 )
-        reported = dm.reported_estimate
-        if reported is not None and trainer.global_step > reported:
-            _warn_once(
-                "estimate",
-                f"the run passed estimated_stepping_batches={reported} (the loader's upper "
-                "estimate was exceeded): an LR schedule sized to it has ended",
-            )
-
-
-def _check_short_schedule(dm: ODBDataModule, trainer: pl.Trainer) -> None:
-    """After a run that ended by its epochs: warn when it took fewer updates than the
-    `estimated_stepping_batches` it reported and a step-sized scheduler is attached
-    (the first point the run's total is known)."""
-    reported, done = dm.reported_estimate, trainer.global_step
-    ended_by_epochs = not trainer.interrupted and trainer.current_epoch >= (trainer.max_epochs or 0)
-    if reported is None or done >= reported or not ended_by_epochs:
-        return
-    warn_short_schedule(
-        _warned,
-        (c.scheduler for c in trainer.lr_scheduler_configs),
-        ran=f"the run ended after {done} optimizer updates of the "
-        f"estimated_stepping_batches={reported} (the loader's upper estimate)",
-        fix="ProgressLR(optimizer, self.trainer.datamodule, "
-        "epochs=self.trainer.max_epochs) in configure_optimizers",
-    )
+        lightning_plan.check_past_estimate(dm, trainer)
 
 
 # ---- estimates: the Trainer's and the progress bar's ------------------------------------
@@ -425,67 +387,13 @@ def _check_short_schedule(dm: ODBDataModule, trainer: pl.Trainer) -> None:
 
 def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
     """`trainer.estimated_stepping_batches` for an `ODBDataModule`: max_epochs x an
-    upper estimate of an epoch's optimizer steps (capped by max_steps). Lightning's
-    own reads len(), which the ODB train loader does not have.
-
-    Resumed from a checkpoint: the figure the run reported (saved in the checkpoint)
-    at the same world size and epochs, so a schedule sized from it is the
-    uninterrupted run's; at another world size (or other max_epochs / max_steps) the
-    updates done + the loader's upper estimate of the updates the rest of the run
-    needs there (`odb_core.torch.plan.updates_left`), with a warning: a schedule
-    sized from it changes length at the resume."""
+    upper estimate of an epoch's optimizer steps (capped by max_steps), kept on a
+    resume (`lightning_plan.planned_stepping_batches`). Lightning's own reads len(),
+    which the ODB train loader does not have."""
     dm = _datamodule_of(trainer)
     if not isinstance(dm, ODBDataModule):
         return pl.Trainer.estimated_stepping_batches.fget(trainer)  # type: ignore[attr-defined,no-any-return]
-    max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
-    if max_epochs is None or max_epochs == -1:
-        return float("inf") if max_steps == -1 else max_steps
-    plan = dm.updates_plan(max(int(max_epochs), 1))
-    if plan is None:
-        _warn_once(
-            "no-estimate",
-            "an ODB loader over an IterableDataset has no step estimate: "
-            "estimated_stepping_batches is max_steps, as in Lightning",
-        )
-        return max_steps
-    total: int | float = _run_total(dm, trainer, max(int(max_epochs), 1), plan)
-    if max_steps != -1:
-        total = min(total, max_steps)
-    dm.reported_estimate = total
-    return total
-
-
-def _run_total(dm: ODBDataModule, trainer: pl.Trainer, epochs: int, plan: UpdatesPlan) -> int:
-    """The run's planned updates (`resumed_figures`, the one resume rule): the plan's
-    upper figure for a fresh run; on a resume, the figure the checkpoint holds (the
-    same run) or the updates done + the updates the rest of the run needs at this
-    world size, warned about (a schedule sized from it changes length)."""
-
-    def left() -> int | None:
-        dm.load_pending()  # the loader's position: where the rest of the run starts
-        return updates_left(dm.loader, epochs)
-
-    world = dm.loader.world_size
-    figures = resumed_figures(
-        plan,
-        dm.saved_plan,
-        world_size=world,
-        epochs=trainer.max_epochs,
-        max_steps=trainer.max_steps,
-        left=left,
-    )
-    saved, total = figures.replanned, figures.total
-    if saved is not None and saved.total is not None and total != saved.total:
-        fix = "ProgressLR(optimizer, trainer.datamodule, epochs=trainer.max_epochs)"
-        message = resized_schedule_message(
-            figures,
-            "estimated_stepping_batches (what a LambdaLR of total steps is sized to)",
-            world_size=world,
-            epochs=trainer.max_epochs,
-            fix=f"{fix} in configure_optimizers",
-        )
-        _warn_once("replanned", message)
-    return total
+    return lightning_plan.planned_stepping_batches(dm, trainer)
 
 
 class ODBLightningTrainer(pl.Trainer):

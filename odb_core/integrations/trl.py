@@ -41,7 +41,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, cast
 
-import trl
 from trl.trainer.sft_config import SFTConfig
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling, SFTTrainer
 
@@ -68,11 +67,7 @@ _warned: set[str] = set()
 def check_trl_version(version: str | None = None) -> bool:
     """Warn once when `trl.__version__` is outside the supported range; raise
     `ConfigError` when TRL lacks a member the adapter relies on."""
-    owners = {
-        "SFTTrainer": SFTTrainer,
-        "DataCollatorForLanguageModeling": DataCollatorForLanguageModeling,
-    }
-    return versions.gate("trl", version or trl.__version__, owners, _warned)
+    return versions.gate("trl", version, warned=_warned)
 
 
 #: The cost models that describe each of TRL's text collators.

@@ -144,12 +144,14 @@ PRIVATE_MEMBERS: dict[str, dict[str, str]] = {
 class Gate:
     """What an adapter's version gate checks: the extra naming the supported range,
     the range it falls back to when odb-core's metadata names none, what the adapter
-    relies on (for the warning), and the public members it checks beside its
-    `PRIVATE_MEMBERS` entry (each "Owner.member")."""
+    relies on (for the warning), the classes its members are checked on (each
+    "module:Class", imported by `gate` when the adapter's gate runs), and the public
+    members it checks beside its `PRIVATE_MEMBERS` entry (each "Owner.member")."""
 
     extra: str
     fallback: str
     relies: str
+    owners: tuple[str, ...] = ()
     public: tuple[str, ...] = ()
 
 
@@ -159,16 +161,32 @@ GATES: dict[str, Gate] = {
         "hf",
         ">=5.24.0,<5.25",
         "how Trainer's loop counts gradient accumulation steps and normalises the loss",
+        owners=(
+            "transformers:Trainer",
+            "transformers:TrainerState",
+            "transformers.trainer_callback:ProgressCallback",
+        ),
     ),
     "accelerate": Gate(
         "accelerate",
         ">=1.16,<1.17",
         "Accelerate's gradient state, no_sync and custom checkpoint objects",
+        owners=(
+            "accelerate.data_loader:DataLoaderStateMixin",
+            "accelerate.state:GradientState",
+            "accelerate.state:AcceleratorState",
+            "accelerate:Accelerator",
+        ),
     ),
     "lightning": Gate(
         "lightning",
         ">=2.6,<2.7",
         "Lightning's fit loop (prefetch, gradient accumulation, checkpoint hooks)",
+        owners=(
+            "lightning.pytorch:Trainer",
+            "lightning.pytorch.strategies:Strategy",
+            "lightning.pytorch.callbacks:TQDMProgressBar",
+        ),
         public=(
             "Trainer.estimated_stepping_batches",
             "Strategy.handles_gradient_accumulation",
@@ -180,6 +198,10 @@ GATES: dict[str, Gate] = {
         ">=1.16,<1.17",
         "SFTTrainer's compute_loss dividing a token sum by num_items_in_batch on every "
         "loss path, and its collator's padding_free rows",
+        owners=(
+            "trl.trainer.sft_trainer:SFTTrainer",
+            "trl.trainer.sft_trainer:DataCollatorForLanguageModeling",
+        ),
         public=("SFTTrainer.compute_loss", "DataCollatorForLanguageModeling.padding_free"),
     ),
 }
@@ -231,20 +253,33 @@ def _self_attributes(klass: type) -> frozenset[str]:
     return frozenset(names)
 
 
-def gate(package: str, version: str, owners: Mapping[str, object], warned: set[str]) -> bool:
+def gate(
+    package: str,
+    version: str | None = None,
+    owners: Mapping[str, object] | None = None,
+    warned: set[str] | None = None,
+) -> bool:
     """`check_version` for the adapter of `package` (its `GATES` entry): the members
     it relies on are its `PRIVATE_MEMBERS` entry and the gate's `public` ones, each
     "Owner.member" checked on `owners` (`has_member`: an instance attribute counts
-    when the class's source sets it)."""
+    when the class's source sets it). `version` defaults to the installed
+    `package.__version__`, `owners` to the gate's (imported now), `warned` (the keys
+    already warned about) to none."""
+    import importlib
+
     spec = GATES[package]
+    version = version or importlib.import_module(package).__version__
+    if owners is None:
+        paths = (o.split(":") for o in spec.owners)
+        owners = {name: getattr(importlib.import_module(m), name) for m, name in paths}
     pairs = [n.split(".") for n in [*PRIVATE_MEMBERS[package], *spec.public]]
     missing = [f"{o}.{m}" for o, m in pairs if o in owners and not has_member(owners[o], m)]
     return check_version(
         package,
-        version,
+        str(version),
         extra=spec.extra,
         fallback=spec.fallback,
         missing=missing,
         relies=spec.relies,
-        warned=warned,
+        warned=set() if warned is None else warned,
     )
