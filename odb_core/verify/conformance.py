@@ -17,7 +17,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -221,10 +221,10 @@ class ConformanceReport:
     python_states: int
     tlc_edges: int
     python_edges: int
+    dropped_stutter_edges: int = 0
     only_in_tlc: list[dict[str, Any]] = field(default_factory=list)
     only_in_python: list[dict[str, Any]] = field(default_factory=list)
     edge_diff: list[str] = field(default_factory=list)
-    dropped_stutter_edges: int = 0
     elapsed_s: float = 0.0
 
     @property
@@ -238,17 +238,12 @@ class ConformanceReport:
         )
 
     def to_json(self) -> dict[str, Any]:
+        """The report as JSON, in field order, with the verdict after the name."""
+        fields = asdict(self)
         return {
-            "name": self.name,
+            "name": fields.pop("name"),
             "equal": self.equal,
-            "tlc_states": self.tlc_states,
-            "python_states": self.python_states,
-            "tlc_edges": self.tlc_edges,
-            "python_edges": self.python_edges,
-            "dropped_stutter_edges": self.dropped_stutter_edges,
-            "only_in_tlc": self.only_in_tlc,
-            "only_in_python": self.only_in_python,
-            "edge_diff": self.edge_diff,
+            **fields,
             "elapsed_s": round(self.elapsed_s, 2),
         }
 
