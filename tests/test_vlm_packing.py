@@ -3,7 +3,8 @@ exact: on 2 real gloo ranks through `ODBDataLoader` with `VLMPackCollate`, every
 step's DDP gradient (loss scaled by the step meta) equals the single-process
 per-token mean over the same samples run one at a time, and each sample's loss
 read from the packed row equals its loss alone, with and without images, on
-SDPA with the packed mask and on `use_packed_attention`.
+SDPA with the packed mask and on `use_packed_attention`, full fine-tuning and
+under PEFT LoRA (`images_varlen_lora`; ODBHFTrainer's path: test_vlm_trainer.py).
 
 The broken variant, 1-D positions restarting at 0 per sample (what
 `pack_collate` gives a text sample), runs in the same launch and misses the
@@ -20,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from vlm_fixtures import tiny_qwen3_vl, vlm_sample  # noqa: E402
+from vlm_fixtures import VLMSet, one_sample_batch, tiny_qwen3_vl, with_lora  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.procs, pytest.mark.slow]
 
@@ -46,19 +47,6 @@ IMAGES: list[list[tuple[int, int]]] = [
 TEXT_ONLY = [[] for _ in range(8)]
 
 
-class VLMSet(torch.utils.data.Dataset):  # type: ignore[misc]
-    def __init__(self, images: list[list[tuple[int, int]]], text_extra: int = 0) -> None:
-        self.images = images
-        self.text_extra = text_extra  # more prompt tokens on text-only samples
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        extra = 0 if self.images[i] else self.text_extra
-        return vlm_sample(i, self.images[i], text=4 + i % 5 + extra, answer=3 + (7 * i) % 6)
-
-
 class OneDPositions:
     """The broken variant: the packed row with 1-D positions restarting at 0."""
 
@@ -79,6 +67,7 @@ ONE_PER_STEP = {"max_samples": 1, "shuffle": False}
 CASES: dict[str, dict[str, Any]] = {
     "images_sdpa": {"images": IMAGES, "varlen": False},
     "images_varlen": {"images": IMAGES},
+    "images_varlen_lora": {"images": IMAGES, "lora": True},
     "text_only": {"images": TEXT_ONLY},
     "images_1d_positions": {"images": IMAGES, "broken": True},
     "text_then_images": {"images": TEXT_THEN_IMAGES, "loader": ONE_PER_STEP, "text_extra": 30},
@@ -116,9 +105,12 @@ def run_cases(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         model = tiny_qwen3_vl(seed=0)
         if case.get("varlen", True):
             use_packed_attention(model)
+        rope = MRopeIndex.from_model(model)
+        if case.get("lora"):
+            model = with_lora(model)
         # A text-only batch leaves the vision tower out of the graph.
         ddp = DistributedDataParallel(model, find_unused_parameters=case.get("find_unused", True))
-        collate: Any = VLMPackCollate(MRopeIndex.from_model(model))
+        collate: Any = VLMPackCollate(rope)
         if case.get("broken"):
             collate = OneDPositions(collate)
         options = {
@@ -195,16 +187,12 @@ def reference(model: Any, dataset: VLMSet, ids: list[int]) -> tuple[torch.Tensor
     """One sample at a time, positioned by the model itself (no position_ids: it
     runs its own get_rope_index): the gradient of the per-token mean over `ids`, and
     each sample's summed token cross-entropy."""
-    from vlm_fixtures import IMAGE_TOKEN, VIDEO_TOKEN
-
-    from odb_core.torch.vlm import vlm_pad_collate
-
     model.zero_grad(set_to_none=True)
     tokens = sum(int((dataset[i]["labels"][1:] != -100).sum()) for i in ids)
     losses = []
     for i in ids:
         sample = dataset[i]
-        batch = vlm_pad_collate([sample], image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN)
+        batch = one_sample_batch(sample)
         labels = batch.pop("labels")
         logits = model(**batch).logits
         n = labels.shape[1]
@@ -226,6 +214,8 @@ def reference(model: Any, dataset: VLMSet, ids: list[int]) -> tuple[torch.Tensor
 def errors(runs: dict[str, Any], name: str) -> tuple[float, float]:
     """Worst relative gradient error and worst relative per-sample loss error."""
     model = tiny_qwen3_vl(seed=0)
+    if CASES[name].get("lora"):
+        model = with_lora(model)
     dataset = VLMSet(CASES[name]["images"], CASES[name].get("text_extra", 0))
     steps = [r[name] for r in runs["steps"]]
     grad_err = loss_err = 0.0
@@ -246,7 +236,9 @@ def errors(runs: dict[str, Any], name: str) -> tuple[float, float]:
     return grad_err, loss_err
 
 
-@pytest.mark.parametrize("name", ["images_sdpa", "images_varlen", "text_only"])
+@pytest.mark.parametrize(
+    "name", ["images_sdpa", "images_varlen", "images_varlen_lora", "text_only"]
+)
 def test_packed_vlm_equals_one_sample_at_a_time(runs: dict[str, Any], name: str) -> None:
     grad_err, loss_err = errors(runs, name)
     print(f"\n{name}: gradient {grad_err:.1e}, per-sample loss {loss_err:.1e}")

@@ -95,3 +95,60 @@ def vlm_sample(
         sample["pixel_values"] = torch.cat(pixels)
         sample["image_grid_thw"] = torch.tensor(grids)
     return sample
+
+
+#: The language model's attention projections (the bench's `--lora` targets).
+LORA_TARGETS = r"model\.language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"
+
+
+def with_lora(model: Any, seed: int = 0) -> Any:
+    """`model` (a tiny Qwen3-VL) under PEFT LoRA (rank 4 on the language model's
+    q/k/v/o): only the adapter weights train; the vision tower and merger stay
+    frozen. Both adapter matrices random (`init_lora_weights=False`: PEFT's zero B
+    would give A a zero gradient, a weaker check)."""
+    from peft import LoraConfig, get_peft_model
+
+    dtype = next(model.parameters()).dtype
+    torch.manual_seed(seed + 1)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    return get_peft_model(model, config).to(dtype)
+
+
+def image_mix(n: int, seed: int) -> list[list[tuple[int, int]]]:
+    """`n` samples' images (grids in patches, both sides even): a quarter text-only,
+    the rest one or two images of 1 to 8 visual tokens each."""
+    import random
+
+    rng = random.Random(seed)
+    grids = [(2, 2), (2, 4), (4, 2), (4, 4), (4, 6), (6, 4), (8, 4)]
+    return [[rng.choice(grids) for _ in range(rng.choice((0, 1, 1, 2)))] for _ in range(n)]
+
+
+class VLMSet(torch.utils.data.Dataset):  # type: ignore[misc]
+    """`vlm_sample`s with the given images (grid h x w per image; [] text-only);
+    `text_extra` more prompt tokens on text-only samples, and every
+    `masked_every`-th sample without an answer (every label masked)."""
+
+    def __init__(
+        self, images: list[list[tuple[int, int]]], text_extra: int = 0, masked_every: int = 0
+    ) -> None:
+        self.images = images
+        self.text_extra = text_extra
+        self.masked_every = masked_every
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        extra = 0 if self.images[i] else self.text_extra
+        masked = self.masked_every and i % self.masked_every == self.masked_every - 1
+        answer = 0 if masked else 3 + (7 * i) % 6
+        return vlm_sample(i, self.images[i], text=4 + i % 5 + extra, answer=answer)
+
+
+def one_sample_batch(sample: dict[str, Any]) -> dict[str, Any]:
+    """One sample as a batch of one, positioned by the model itself (no
+    position_ids: it runs its own get_rope_index)."""
+    from odb_core.torch.vlm import vlm_pad_collate
+
+    return vlm_pad_collate([sample], image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN)
