@@ -76,6 +76,21 @@ def test_tiny_run_json(tmp_path: object) -> None:
             assert sorted(i for t, s in steps if not t[6] for i in s) == list(range(48)), name
 
 
+def test_early_form_reaches_the_loader_and_keeps_every_id_once() -> None:
+    """`--early-form N`: odb-core's loaders run with it (static sharding, as early
+    forms need), the report says so, and every id is still trained once."""
+    cmd = [*ODB, "bench", *TINY, "--json", "--strategies", "standard,odb-packed",
+           "--early-form", "4"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = json.loads(out.stdout)["strategies"]["odb-packed"]
+    assert row["loader"]["early_form"] == 4
+    assert (
+        row["loader"]["sharding"] == "static" and "early_form=4" in row["loader"]["sharding_reason"]
+    )
+    assert row["equal_steps"] and row["exactly_once"] and row["runs"][0]["unique_ids"] == 48
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [
@@ -116,6 +131,14 @@ def test_bad_options_fail_clearly(
 
     assert main(["bench", *args]) == 2  # rejected before any rank starts
     assert match in capsys.readouterr().err
+
+
+def test_early_form_under_one_names_the_value(capsys: pytest.CaptureFixture[str]) -> None:
+    from odb_core.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", "llama-tiny", "--early-form", "0"])
+    assert "--early-form: '0' must be >= 1" in capsys.readouterr().err
 
 
 def test_unknown_regime_names_the_value(capsys: pytest.CaptureFixture[str]) -> None:

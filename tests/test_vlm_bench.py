@@ -209,6 +209,11 @@ def test_tiny_vlm_run_every_strategy_reports() -> None:
     assert {"odb-padded/grouped-estimate", "odb-padded/grouped_incl_length_pass"} <= set(
         r["ratios"]
     )
+    # What each odb-core loader ran with, as its describe() says.
+    assert rows["odb-packed"]["loader"]["sharding"] == "dynamic"
+    assert rows["odb-padded"]["loader"]["sharding"] == "static"
+    assert "cost_model='padded'" in rows["odb-padded"]["loader"]["sharding_reason"]
+    assert "loader" not in rows["standard"]
 
 
 @pytest.mark.parametrize("lora", [True, False])

@@ -52,7 +52,20 @@ def iter_table(result: dict[str, Any]) -> Iterator[str]:
         from odb_core.bench.quality_output import iter_quality_table
 
         yield from iter_quality_table(result)
+    for name, row in result["strategies"].items():
+        if "loader" in row:
+            yield f"{name}: {in_force(row['loader'])}"
     yield f"equal steps and exactly-once ids in every odb-core run: {result['ok']}"
+
+
+def in_force(described: dict[str, Any]) -> str:
+    """One line of what an odb-core loader ran with (its `describe()`)."""
+    sharding = described.get("sharding", "static")
+    line = f"{sharding} sharding ({described.get('sharding_reason', '')}), "
+    line += f"window {described['buffer_size']}, {described['former']} former"
+    if described.get("early_form") is not None:
+        line += f", early forms from {described['early_form']} samples"
+    return line
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -31,6 +31,8 @@ def run_rank(rank: int, world: int, params: dict[str, Any], progress: bool) -> d
             summary = summarise(per_rank, precompute, eval_loss, len(rs.ds))
             summary["equal_steps"] = equal_steps
             summary["exactly_once"] = exactly_once
+            if run.loader is not None:
+                summary["loader"] = run.loader
             if rs.quality:
                 summary["curve"] = curve
             runs[name].append(summary)

@@ -106,6 +106,8 @@ def report(
         row["equal_steps"] = all(r["equal_steps"] for r in rs)
         row["exactly_once"] = all(r["exactly_once"] for r in rs)
         row["runs"] = rs
+        if "loader" in rs[-1]:
+            row["loader"] = rs[-1]["loader"]  # odb-core's options in force (describe())
         strategies[name] = row
     ratios: dict[str, float | None] = {
         "grouped/standard": _paired(runs, "grouped", "standard", "samples_per_s")

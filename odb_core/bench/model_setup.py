@@ -135,6 +135,8 @@ class RankSetup:
             self.odb_kw["buffer_size"] = params["buffer_size"]
         if params.get("former"):
             self.odb_kw["former"] = params["former"]
+        if params.get("early_form"):
+            self.odb_kw["early_form"] = params["early_form"]
         self.profile = (
             sample_profile(ds)
             if any(s in RECIPES and RECIPES[s].quality_only for s in strategies)

@@ -65,6 +65,7 @@ class RunStats:
         self.epoch_steps: list[int] = []
         self.timeline: list[tuple[float, float, float, int, int, int, bool]] = []
         self.step_ids: list[list[int]] = []  # per timeline step (simulator/bench_fit.py)
+        self.loader: dict[str, Any] | None = None  # odb-core's: what was in force (describe)
 
 
 @dataclass
@@ -204,6 +205,7 @@ def train(rs: RankSetup, name: str, rep: int) -> tuple[RunStats, float, float, f
     allgather = 0.0
     if name in RECIPES:
         allgather = float(loader.epoch_stats.collective_stall_s)
+        run.loader = loader.describe()
     if sched is not None and hasattr(sched, "remove_hooks"):
         sched.remove_hooks()
     return run, wall, precompute, allgather, curve

@@ -127,6 +127,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--buffer-size", type=positive_int, default=None, help="odb-core window (default: its own)"
     )
     m.add_argument(
+        "--early-form",
+        type=positive_int,
+        default=None,
+        help="odb-core's early_form: a rank whose window would idle it forms once it holds "
+        "this many samples (default: off; static sharding only)",
+    )
+    m.add_argument(
         "--former",
         choices=[k.value for k in FormerKind],
         default=None,
@@ -202,6 +209,7 @@ def run_model(args: argparse.Namespace) -> int:
         "oversize": args.oversize,
         "buffer_size": args.buffer_size,
         "former": args.former,
+        "early_form": args.early_form,
         "strategies": requested,
         "requested": requested,
         "timeout": args.timeout or 3600,
