@@ -2,7 +2,8 @@
 
 With `Sharding.DYNAMIC` no rank owns a fixed 1/W of the epoch. The epoch has one
 plan (an ordered tuple of sample ids, the same on every rank). Each rank starts
-with a contiguous `initial_share` of it; after that, every round's all-gather
+with a contiguous `initial_share` of it (with a learned cost table, slices of
+about equal priced cost: `initial_slices`); after that, every round's all-gather
 carries what each rank holds (`Contribution.unread`, `.held`, `.held_work`), and
 every rank deals the next plan positions with the same pure `deal`, so all ranks
 agree on who loads which id without a further collective, and no sample ever
@@ -96,9 +97,64 @@ def initial_slice(rank: int, plan_len: int, world: int, target: int) -> tuple[in
     return min(rank * c, plan_len), min((rank + 1) * c, plan_len)
 
 
-def initial_cursor(plan_len: int, world: int, target: int) -> int:
-    """The first plan position not dealt by the initial shares."""
+def initial_cursor(plan_len: int, world: int, target: int, priced: bool = False) -> int:
+    """The first plan position not dealt by the initial shares; `priced`: a learned
+    cost table prices them (`initial_slices`), which deals the whole plan up front
+    when one round would deal all the rest of it anyway (`world * target >= plan_len`)."""
+    if priced and world * target >= plan_len:
+        return plan_len
     return min(world * initial_share(plan_len, world, target), plan_len)
+
+
+def initial_slices(
+    plan_len: int,
+    world: int,
+    target: int,
+    priced: Callable[[int], int] | None = None,
+) -> tuple[tuple[int, int], ...]:
+    """Every rank's initial plan positions [start, stop), in rank order: consecutive,
+    contiguous slices covering [0, initial_cursor) once. Pure: every rank computes
+    the same tuple from agreed state (the plan's length, the world, the target and,
+    with a learned cost table, the table's prices of the plan).
+
+    Without a table (`priced` None): `initial_share` ids a rank (`initial_slice`).
+
+    With a table, `priced(k)` is the priced cost of the plan's first k ids
+    (non-decreasing, `priced(0) == 0`; ids the table never saw priced at its mean,
+    `CostTable.priced_prefix`). The prefix is split where its priced cost comes
+    nearest to r/W of its total, so every rank starts on about the same priced
+    work (within one id's price) and on at least one id while the prefix holds
+    one a rank. And when a round would deal all the rest of the plan anyway
+    (`world * target >= plan_len`: the first round's starved ranks want more than
+    is left), the prefix is the whole plan: no round waits for the first half to
+    be read before the rest is dealt (docs/SIMULATOR.md, "The cost table learned
+    online"). The ids dealt up front then change (all of them, not half), and
+    who gets which; D1 and D2 need only that every rank computes the same slices
+    (proofs/dynamic_sharding.md, "Pricing").
+    """
+    if priced is None:
+        return tuple(initial_slice(r, plan_len, world, target) for r in range(world))
+    c = initial_cursor(plan_len, world, target, priced=True)
+    total = priced(c)
+    bounds = [0]
+    lo = 0
+    for r in range(1, world):
+        goal = total * r // world
+        a, z = lo, c  # the first position k >= lo whose priced prefix reaches the goal
+        while a < z:
+            m = (a + z) // 2
+            if priced(m) < goal:
+                a = m + 1
+            else:
+                z = m
+        if a > lo and priced(a) - goal > goal - priced(a - 1):
+            a -= 1  # the nearer of the two positions around the goal (ties: the upper)
+        if c >= world:  # at least one id for this rank and one for each later one
+            a = min(max(a, lo + 1), c - (world - r))
+        bounds.append(a)
+        lo = a
+    bounds.append(c)
+    return tuple((bounds[r], bounds[r + 1]) for r in range(world))
 
 
 class Pricing(NamedTuple):
@@ -245,7 +301,7 @@ def _level(
     return tuple(out)
 
 
-def dynamic_bounds(plan_len: int, world: int, target: int) -> tuple[int, int]:
+def dynamic_bounds(plan_len: int, world: int, target: int, priced: bool = False) -> tuple[int, int]:
     """(steps, rounds) bounds of a dynamic-sharding epoch of `plan_len` ids.
 
     Steps: every step some rank emits a real batch, so at most one per id.
@@ -253,5 +309,5 @@ def dynamic_bounds(plan_len: int, world: int, target: int) -> tuple[int, int]:
     and then deals at least one id (a starved rank wants `target` > 0 ids); so at
     most the steps plus the ids dealt after the initial shares, plus the last.
     """
-    after_initial = plan_len - initial_cursor(plan_len, world, target)
+    after_initial = plan_len - initial_cursor(plan_len, world, target, priced)
     return plan_len, plan_len + after_initial + 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import math
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from odb_core.errors import ResumeStateError
@@ -133,6 +133,19 @@ class CostTable:
             unseen.append(u)
         self._prefix = (plan, (known, unseen))
         return known, unseen
+
+    def priced_prefix(self, plan: Sequence[int]) -> Callable[[int], int]:
+        """`priced(k)`: the priced cost of `plan`'s first k ids, those never seen priced
+        at the mean of the seen ones (>= 1; 1 when none is), as the deals price them
+        (`RankMachine.pricing`). What `assign.initial_slices` splits the plan by."""
+        known, unseen = self.plan_prefix(plan)
+        seen = len(plan) - unseen[-1]
+        mean = max(1, known[-1] // seen) if seen else 1
+
+        def priced(k: int) -> int:
+            return known[k] + mean * unseen[k]
+
+        return priced
 
     def to_state(self) -> dict[str, Any]:
         """Plain data for a loader state: the codes, compressed, and their checksum."""

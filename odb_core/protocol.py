@@ -27,9 +27,9 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from odb_core.assign import Pricing, initial_cursor, initial_slice
+from odb_core.assign import Pricing, initial_slices
 from odb_core.batch import Batch
 from odb_core.collective import Contribution, RoundDecision, decide_round
 from odb_core.config import Mode, OversizePolicy, ProtocolConfig
@@ -114,6 +114,25 @@ class RankSnapshot(NamedTuple):
     slices: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
+# The last initial slices computed, with what they were computed from (the ranks of
+# one process, a simulation's, share the epoch's plan and table: computed once).
+_INITIAL: list[Any] = []
+
+
+def initial_slices_of(config: ProtocolConfig) -> tuple[tuple[int, int], ...]:
+    """Dynamic sharding: every rank's initial plan slice, `assign.initial_slices` of
+    the config's plan, world, target and cost table (agreed state). The loader's
+    rank source reads its slice from the same function (`torch/rank_source.py`)."""
+    plan, table, key = config.plan, config.cost_table, (config.world_size, config.target)
+    cached = _INITIAL
+    if cached and cached[0] is plan and cached[1] is table and cached[2] == key:
+        return cached[3]  # type: ignore[no-any-return]
+    priced = None if table is None else table.priced_prefix(plan)
+    out = initial_slices(len(plan), config.world_size, config.target, priced)
+    cached[:] = [plan, table, key, out]
+    return out
+
+
 class RankMachine:
     """The protocol state of one rank for one epoch."""
 
@@ -153,12 +172,12 @@ class RankMachine:
         self.sizes: dict[int, int] = {}
         self.window_bytes = 0
         if config.dynamic:
-            n, w = len(config.plan), config.world_size
-            start, stop = initial_slice(rank, n, w, config.target)
+            slices = initial_slices_of(config)
+            start, stop = slices[rank]
             self.queue = dict.fromkeys(config.plan[start:stop])
-            self.cursor = initial_cursor(n, w, config.target)
+            self.cursor = slices[-1][1]
             if config.cost_table is not None:
-                self._slices = [[initial_slice(q, n, w, config.target)] for q in range(w)]
+                self._slices = [[s] for s in slices]
 
     # ---- queries -------------------------------------------------------
 

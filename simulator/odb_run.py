@@ -337,7 +337,8 @@ class _OdbEpoch:
         samples_per_rank = [len(s) for s in self.shards]
         sb, rb = steps_bound(samples_per_rank), rounds_bound(samples_per_rank)
         if self.dynamic:
-            sb, rb = dynamic_bounds(run.cols.n, w, self.protocol.target)
+            priced = self.protocol.cost_table is not None
+            sb, rb = dynamic_bounds(run.cols.n, w, self.protocol.target, priced)
         out.update(
             {
                 "rounds": self.rounds,

@@ -15,15 +15,16 @@ import array
 import functools
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from odb_core.assign import initial_slice
 from odb_core.config import ProtocolConfig
 from odb_core.cost_table import CostTable
 from odb_core.errors import ODBError
 from odb_core.ledger import Ledgers, ledger_ids, rank_order, without
+from odb_core.protocol import initial_slices_of
 from odb_core.resume import EpochProgress, partition
 from odb_core.torch.lookahead import LookAhead
 from odb_core.torch.options import LoaderOptions
@@ -185,7 +186,10 @@ class RankSource:
         taken = set(carried)
         fresh = (i for i in order if i not in taken)
         self.plan = tuple(i for i in (*carried, *fresh) if i not in excluded)
-        start, stop = initial_slice(self.rank, len(self.plan), self.world_size, config.target)
+        # The slice the rank's core starts on: the same function of the same agreed
+        # state (its config's plan is this plan, its table this table).
+        planned = replace(config, plan=self.plan, cost_table=priced)
+        start, stop = initial_slices_of(planned)[self.rank]
         shard = list(self.plan[start:stop])
         assert self.index_sampler is not None
         self.index_sampler.indices = shard

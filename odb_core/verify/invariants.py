@@ -238,7 +238,8 @@ def epoch_bounds(cfg: ModelConfig) -> tuple[int, int]:
     mode no rank pads, so min_r N_r (+ 1) (proofs/bounded_termination.md)."""
     per_rank = cfg.samples_per_rank
     if cfg.protocol.dynamic:
-        return dynamic_bounds(cfg.n_samples, cfg.protocol.world_size, cfg.protocol.target)
+        p = cfg.protocol
+        return dynamic_bounds(cfg.n_samples, p.world_size, p.target, p.cost_table is not None)
     if cfg.protocol.mode is Mode.QUOTA:
         return min(per_rank, default=0), min(per_rank, default=0) + 1
     return steps_bound(per_rank), rounds_bound(per_rank)

@@ -199,7 +199,9 @@ class GlobalModel:
 
     def init(self) -> GlobalState:
         if self.protocol.dynamic:
-            fresh = [RankMachine(r, self.protocol).snapshot() for r in range(self.world)]
+            # The model's machine deals the initial slices (a broken variant its own).
+            make = self.config.machine
+            fresh = [make(r, self.protocol).snapshot() for r in range(self.world)]
             pending = tuple(frozenset(f.queue) for f in fresh)
         else:
             fresh = [RankMachine(0, self.protocol).snapshot()] * self.world
