@@ -115,8 +115,9 @@ class RankSnapshot(NamedTuple):
 
 
 # The last initial slices computed, with what they were computed from (the ranks of
-# one process, a simulation's, share the epoch's plan and table: computed once).
-_INITIAL: list[Any] = []
+# one process, a simulation's, share the epoch's plan and table: computed once). One
+# tuple, read and replaced whole, so ranks on threads never mix two entries.
+_INITIAL: list[tuple[Any, ...]] = [()]
 
 
 def initial_slices_of(config: ProtocolConfig) -> tuple[tuple[int, int], ...]:
@@ -124,12 +125,12 @@ def initial_slices_of(config: ProtocolConfig) -> tuple[tuple[int, int], ...]:
     the config's plan, world, target and cost table (agreed state). The loader's
     rank source reads its slice from the same function (`torch/rank_source.py`)."""
     plan, table, key = config.plan, config.cost_table, (config.world_size, config.target)
-    cached = _INITIAL
+    cached = _INITIAL[0]
     if cached and cached[0] is plan and cached[1] is table and cached[2] == key:
         return cached[3]  # type: ignore[no-any-return]
     priced = None if table is None else table.priced_prefix(plan)
     out = initial_slices(len(plan), config.world_size, config.target, priced)
-    cached[:] = [plan, table, key, out]
+    _INITIAL[0] = (plan, table, key, out)
     return out
 
 
