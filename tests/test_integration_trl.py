@@ -47,7 +47,8 @@ datasets = pytest.importorskip("datasets")
 
 from gloo_ranks import launch_entry, set_rank_env  # noqa: E402
 from sft_support import MODELS, Reference, flat_grad, rel_l2, tiny_llama  # noqa: E402
-from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+from trainer_windows import WindowRecorder  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from odb_core.bench.launch import init_local_gloo, release_child_resources  # noqa: E402
 from odb_core.errors import ConfigError  # noqa: E402
@@ -226,27 +227,9 @@ class PerMicroStep(ODBSFTTrainer):
         return loss / self.args.gradient_accumulation_steps
 
 
-class Recorder(TrainerCallback):
-    def __init__(self) -> None:
-        self.trainer: Any = None
-        self.windows: list[dict[str, Any]] = []
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        infos = self.trainer.odb_window_info
-        self.windows.append(
-            {
-                "epoch": self.trainer.odb_loader.epoch,
-                "global_step": state.global_step,
-                "ids": [[int(x) for x in i.sample_ids] for i in infos],
-                "pads": [bool(i.is_pad) for i in infos],
-                "grad": flat_grad(kw["model"]),
-            }
-        )
-
-
-def make_trainer(name: str, out: Path, **extra: Any) -> tuple[Any, Recorder]:
+def make_trainer(name: str, out: Path, **extra: Any) -> tuple[Any, WindowRecorder]:
     sc = SCENARIOS[name]
-    rec = Recorder()
+    rec = WindowRecorder()
     cls = PerMicroStep if sc.get("broken") else ODBSFTTrainer
     trainer = cls(
         model=MODELS[sc.get("model", "full")](seed=0),

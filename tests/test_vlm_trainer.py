@@ -43,7 +43,7 @@ pytest.importorskip("peft")
 
 from gloo_ranks import launch_entry, set_rank_env  # noqa: E402
 from sft_support import Reference, flat_grad, loss_tokens, rel_l2  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from trainer_windows import WindowRecorder  # noqa: E402
 from vlm_fixtures import (  # noqa: E402
     IMAGE_TOKEN,
     VIDEO_TOKEN,
@@ -106,24 +106,6 @@ class PadCollate:
 # ---- what runs inside a rank ----------------------------------------------------------
 
 
-class Recorder(TrainerCallback):
-    """Per optimizer step: the window's ids on this rank and the gradient."""
-
-    def __init__(self) -> None:
-        self.trainer: Any = None
-        self.windows: list[dict[str, Any]] = []
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        infos = self.trainer.odb_window_info
-        self.windows.append(
-            {
-                "ids": [[int(x) for x in i.sample_ids] for i in infos],
-                "pads": [bool(i.is_pad) for i in infos],
-                "grad": flat_grad(kw["model"]),
-            }
-        )
-
-
 def run(name: str, out: Path) -> dict[str, Any]:
     from transformers import TrainingArguments
 
@@ -149,7 +131,7 @@ def run(name: str, out: Path) -> dict[str, Any]:
         gradient_accumulation_steps=sc["accum"],
         seed=0,
     )
-    rec = Recorder()
+    rec = WindowRecorder()
     trainer = ODBHFTrainer(
         model=model,
         args=args,
