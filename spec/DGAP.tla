@@ -28,7 +28,9 @@
 (* Deal, computed by every rank from the same gathered vectors, says how   *)
 (* many of the next plan ids each rank loads (proofs/dynamic_sharding.md). *)
 (* With AnyPlacement the deal's count is split by any placement, agreed    *)
-(* by all ranks at AllGather (placement): an adversarial pricing.          *)
+(* by all ranks at AllGather (placement): an adversarial pricing.  With    *)
+(* AnyInitialSplit the ranks start on any agreed split of the initial      *)
+(* prefix (InitialSplits): an adversarial pricing of the initial slices.   *)
 (*                                                                         *)
 (* A batch is the set of its sample ids: the order inside a batch and its  *)
 (* oversize flag are functions of that set.  Oversized samples follow the  *)
@@ -60,6 +62,7 @@ CONSTANTS
     Carried,        \* quota mode: ids this pass took over from the last one's ledger
     EarlyForm,      \* least partial window a rank may form early (FormEarly); 0 = never
     AnyPlacement,   \* dynamic sharding: a round's deal is split by any placement (Pricing)
+    AnyInitialSplit,\* dynamic sharding: Init starts the ranks on any agreed initial split
     NoValue         \* model value: no contribution / empty inbox
 
 Ranks == 0 .. W - 1
@@ -92,6 +95,7 @@ ASSUME
     /\ EarlyForm \in Nat
     /\ EarlyForm > 0 => EarlyForm < K /\ Mode = "join" /\ ~Dynamic
     /\ AnyPlacement \in BOOLEAN /\ (AnyPlacement => Dynamic)
+    /\ AnyInitialSplit \in BOOLEAN /\ (AnyInitialSplit => Dynamic)
 
 VARIABLES
     phase,          \* per rank: "filling" | "waiting" | "done"
@@ -233,6 +237,19 @@ InitialShare == Max2(1, Min2(DealTarget, Len(Plan) \div (2 * W)))
 InitialSlice(r) ==
     PlanIds(Min2(r * InitialShare, Len(Plan)), Min2((r + 1) * InitialShare, Len(Plan)))
 InitialCursor == IF Dynamic THEN Min2(W * InitialShare, Len(Plan)) ELSE 0
+\* Priced initial shares (assign.initial_slices with a cost table, issue 32): the
+\* ranks start on consecutive contiguous slices of the prefix [0, c), split where
+\* the table's prices say; c is assign.initial_cursor (priced or not): the whole
+\* plan when one round would deal all the rest anyway (W * DealTarget >= Len(Plan)).
+\* Safety uses only that every rank computes the same split from agreed state
+\* (proofs/dynamic_sharding.md, "Pricing"), so with AnyInitialSplit Init picks any
+\* c of InitialCursors and any split of InitialSplits(c): bounds 0 = b[0] <= b[1]
+\* <= .. <= b[W] = c, rank r starting on PlanIds(b[r], b[r + 1]) with cursor c.
+\* (The Python split gives each rank an id when c >= W; these splits need not.)
+InitialCursors ==
+    {InitialCursor, IF W * DealTarget >= Len(Plan) THEN Len(Plan) ELSE InitialCursor}
+InitialSplits(c) ==
+    {b \in [0 .. W -> 0 .. c] : b[0] = 0 /\ b[W] = c /\ \A r \in Ranks : b[r] <= b[r + 1]}
 
 \* RankMachine.starved: nothing dealt is left unread, but the plan is not dealt out.
 Starved(r) == Dynamic /\ pending[r] = {} /\ cursor[r] < Len(Plan)
@@ -437,7 +454,8 @@ CanContribute(r) ==
 -----------------------------------------------------------------------------
 (* Actions.                                                                 *)
 
-Init ==
+\* The initial state with the ranks' sources p and cursors c.
+InitWith(p, c) ==
     /\ phase = [r \in Ranks |-> "filling"]
     /\ exhausted = [r \in Ranks |-> FALSE]
     /\ buffer = [r \in Ranks |-> {}]
@@ -450,8 +468,8 @@ Init ==
     /\ window_loss = [r \in Ranks |-> 0]
     /\ window_local = [r \in Ranks |-> 0]
     /\ windows = [r \in Ranks |-> <<>>]
-    /\ pending = IF Dynamic THEN [r \in Ranks |-> InitialSlice(r)] ELSE Shard
-    /\ cursor = [r \in Ranks |-> InitialCursor]
+    /\ pending = p
+    /\ cursor = c
     /\ formed = [r \in Ranks |-> FALSE]
     /\ inbox = [r \in Ranks |-> NoValue]
     /\ delivered = [i \in Ids |-> 0]
@@ -459,6 +477,14 @@ Init ==
     /\ step_batches = [r \in Ranks |-> <<>>]
     /\ step_counts = [r \in Ranks |-> <<>>]
     /\ placement = NoValue
+
+\* With AnyInitialSplit the ranks start on any agreed split of the initial prefix.
+Init ==
+    IF AnyInitialSplit
+    THEN \E c \in InitialCursors : \E b \in InitialSplits(c) :
+            InitWith([r \in Ranks |-> PlanIds(b[r], b[r + 1])], [r \in Ranks |-> c])
+    ELSE InitWith(IF Dynamic THEN [r \in Ranks |-> InitialSlice(r)] ELSE Shard,
+                  [r \in Ranks |-> InitialCursor])
 
 \* Sample i arrives from rank r's source (in id order when Deterministic; in
 \* plan order with dynamic sharding).

@@ -13,7 +13,7 @@ EXTENDS Naturals, Sequences, FiniteSets
 
 CONSTANTS W, Shard, SampleLen, SampleLoss, SamplePatches, Budget, MaxSamples, MaxPatches,
           CostModel, K, M, Mode, Quota, Deterministic, AccumSteps, TokensPerUpdate, NoValue,
-          Dynamic, Plan, Target, Carried, EarlyForm, AnyPlacement, Bug
+          Dynamic, Plan, Target, Carried, EarlyForm, AnyPlacement, AnyInitialSplit, Bug
 
 VARIABLES phase, exhausted, buffer, ready, steps, pads, round, emitted, contribution,
           window_loss, window_local, windows, pending, inbox, delivered, ledger,
@@ -42,8 +42,10 @@ Bugs == {
     "early-pads",            \* join runs max offered steps: ranks pad mid-epoch
     "no-fairness",           \* the specification assumes no fairness
     "deal-overlaps",         \* a rank loads its share of a deal from the cursor on
-    "rank-local-placement"}  \* each rank splits a deal by its own pricing: any split of
+    "rank-local-placement",  \* each rank splits a deal by its own pricing: any split of
                              \* the deal's count, but not the one the others load
+    "rank-local-initial-split"} \* each rank splits the initial prefix by its own
+                             \* pricing: any split, but not the one the others start on
 
 ASSUME Bug \in Bugs
 
@@ -51,7 +53,14 @@ Ranks == D!Ranks
 Ids == D!Ids
 vars == D!vars
 
-Init == D!Init
+\* rank-local-initial-split: each rank r starts on its slice of a split s[r] of its
+\* own (any of D!InitialSplits), with that split's cursor.
+Init ==
+    IF Bug = "rank-local-initial-split"
+    THEN \E s \in [Ranks -> UNION {D!InitialSplits(c) : c \in D!InitialCursors}] :
+            D!InitWith([r \in Ranks |-> D!PlanIds(s[r][r], s[r][r + 1])],
+                       [r \in Ranks |-> s[r][W]])
+    ELSE D!Init
 
 Observe(r, i) ==
     CASE Bug = "unbounded-prefetch" ->

@@ -55,8 +55,8 @@ def _dynamic(
 
 def _graph(cfg: ModelConfig) -> list[tuple[GlobalState, Action, GlobalState]]:
     model = GlobalModel(cfg)
-    init = model.init()
-    seen, stack, out = {init}, [init], []
+    inits = model.inits()
+    seen, stack, out = set(inits), list(inits), []
     while stack:
         s = stack.pop()
         for a, t in model.successors(s):

@@ -16,8 +16,8 @@ BY_NAME = {m.name: m for m in tlc.load_manifest()}
 
 def _edges(cfg: ModelConfig) -> list[tuple[GlobalState, str, int | None, GlobalState]]:
     model = GlobalModel(cfg)
-    init = model.init()
-    seen, stack, out = {init}, [init], []
+    inits = model.inits()
+    seen, stack, out = set(inits), list(inits), []
     while stack:
         s = stack.pop()
         for a, t in model.successors(s):

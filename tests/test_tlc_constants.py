@@ -53,6 +53,7 @@ def expected_constants(d: dict[str, Any]) -> dict[str, Any]:
         "Target": m["assign_target"] if dynamic else 0,
         "EarlyForm": m.get("early_form") or 0,
         "AnyPlacement": bool(m.get("any_placement", False)),
+        "AnyInitialSplit": bool(m.get("any_initial_split", False)),
         "Plan": list(range(n)) if dynamic else [],
         "Carried": sorted(m.get("carried") or []),
         **({"Bug": d["bug"]} if d.get("bug") else {}),

@@ -12,6 +12,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import replace
 
+from odb_core.assign import initial_slices
 from odb_core.batch import Batch
 from odb_core.collective import Contribution
 from odb_core.config import Mode, ProtocolConfig, Sharding
@@ -163,6 +164,22 @@ class RankLocalPlacement(RankMachine):
         return self.cursor, self.cursor + sum(assigned)
 
 
+class RankLocalInitialSplit(RankMachine):
+    """Dynamic sharding: each rank splits the initial prefix by prices of its own (the
+    last rank by the ids' count, the others by their squares), so the ranks' slices
+    are not one split of the prefix: rank 0 takes more than its agreed slice and some
+    id starts on two ranks (spec/DGAPBugs.tla `rank-local-initial-split`: each rank
+    any split of its own)."""
+
+    def __init__(self, rank: int, config: ProtocolConfig) -> None:
+        super().__init__(rank, config)
+        n, w = len(config.plan), config.world_size
+        own = initial_slices(n, w, config.target, lambda k: k * (1 + (w - 1 - rank) * k))
+        start, stop = own[rank]
+        self.queue = dict.fromkeys(config.plan[start:stop])
+        self.cursor = own[-1][1]
+
+
 class BugVariant(enum.Enum):
     SILENT_STOP = "silent-stop"
     NO_PADS = "no-pads"
@@ -177,6 +194,7 @@ class BugVariant(enum.Enum):
     CARRY_NOT_FIRST = "carry-not-first"
     DEAL_OVERLAPS = "deal-overlaps"
     RANK_LOCAL_PLACEMENT = "rank-local-placement"
+    RANK_LOCAL_INITIAL_SPLIT = "rank-local-initial-split"
 
     @property
     def machine(self) -> type[RankMachine]:
@@ -196,8 +214,12 @@ class BugVariant(enum.Enum):
     def dynamic(self) -> bool:
         """A bug of dynamic sharding (`Sharding.DYNAMIC`): its model deals the plan.
         spec/DGAP.tla models it too (`Dynamic`; `MCdeal_overlaps_bug`,
-        `MCrank_local_placement_bug`)."""
-        return self in (BugVariant.DEAL_OVERLAPS, BugVariant.RANK_LOCAL_PLACEMENT)
+        `MCrank_local_placement_bug`, `MCrank_local_initial_split_bug`)."""
+        return self in (
+            BugVariant.DEAL_OVERLAPS,
+            BugVariant.RANK_LOCAL_PLACEMENT,
+            BugVariant.RANK_LOCAL_INITIAL_SPLIT,
+        )
 
     @property
     def passes(self) -> int:
@@ -221,7 +243,8 @@ class BugVariant(enum.Enum):
         # so counting the cost instead shows.
         loss = [max(c - 1, 0) for c in costs]
         if self.dynamic:
-            dynamic = replace(protocol, sharding=Sharding.DYNAMIC, assign_target=2)
+            target = _TARGET.get(self, 2)
+            dynamic = replace(protocol, sharding=Sharding.DYNAMIC, assign_target=target)
             return dynamic_model(dynamic, costs, loss, machine=self.machine)
         return ModelConfig(protocol, round_robin_shards(costs, world, loss), machine=self.machine)
 
@@ -239,6 +262,11 @@ _SMALL_MODEL: dict[BugVariant, tuple[tuple[int, ...], int, int]] = {
 
 # Two ranks: both are starved in the first round, and each takes the whole deal.
 _SMALL_MODEL[BugVariant.RANK_LOCAL_PLACEMENT] = ((1, 2, 3, 1, 2, 3), 2, 2)
+
+# Target 3 on 4 ids: the deal target is 2 and 2 x 2 >= 4, so a priced split covers
+# the whole plan; rank 0 (by squares) takes [0, 3), rank 1 (by count) [2, 4).
+_SMALL_MODEL[BugVariant.RANK_LOCAL_INITIAL_SPLIT] = ((3, 1, 2, 1), 2, 2)
+_TARGET: dict[BugVariant, int] = {BugVariant.RANK_LOCAL_INITIAL_SPLIT: 3}
 
 _TOKENS_PER_UPDATE: dict[BugVariant, int] = {BugVariant.WINDOW_BY_LOCAL: 2}
 
@@ -261,6 +289,7 @@ _MACHINES: dict[BugVariant, type[RankMachine]] = {
     BugVariant.CARRY_NOT_FIRST: CarryNotFirst,
     BugVariant.DEAL_OVERLAPS: DealOverlaps,
     BugVariant.RANK_LOCAL_PLACEMENT: RankLocalPlacement,
+    BugVariant.RANK_LOCAL_INITIAL_SPLIT: RankLocalInitialSplit,
 }
 
 _VIOLATES: dict[BugVariant, str] = {
@@ -277,4 +306,5 @@ _VIOLATES: dict[BugVariant, str] = {
     BugVariant.CARRY_NOT_FIRST: "CrossEpochFairness",
     BugVariant.DEAL_OVERLAPS: "NoDuplicate",
     BugVariant.RANK_LOCAL_PLACEMENT: "NoDuplicate",
+    BugVariant.RANK_LOCAL_INITIAL_SPLIT: "NoDuplicate",
 }

@@ -130,7 +130,7 @@ def check(
         except nx.NetworkXUnfeasible:
             report.acyclic = False
             if "Termination" in wanted:
-                cycle = nx.find_cycle(graph, source=0)
+                cycle = nx.find_cycle(graph)
                 run.record("Termination", "a schedule can run forever", cycle[0][0])
         else:
             report.longest_schedule = _longest_path(order, edges, len(states))

@@ -97,13 +97,13 @@ def explore(
     keep_edges: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> Exploration:
-    """Every state of `model` reachable from its initial state, up to
+    """Every state of `model` reachable from its initial states, up to
     `max_states` (then `complete` is False). `deadlock_freedom` records a
     deadlocked state as a DeadlockFreedom violation (it is counted either way)."""
-    init = model.init()
-    out = Exploration(prefix=list(prefix or []), states=[init], parent=[(-1, "")])
-    index: dict[GlobalState, int] = {init: 0}
-    frontier: deque[int] = deque([0])
+    inits = model.inits()
+    out = Exploration(prefix=list(prefix or []), states=inits, parent=[(-1, "")] * len(inits))
+    index: dict[GlobalState, int] = {s: n for n, s in enumerate(inits)}
+    frontier: deque[int] = deque(range(len(inits)))
     while frontier:
         n = frontier.popleft()
         s = out.states[n]

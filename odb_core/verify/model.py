@@ -25,6 +25,11 @@ over every way of splitting it between the ranks (one successor per split,
 labelled `AllGather(a0,a1,...)`); every rank then loads its slice of that agreed
 split instead of the one `assign.deal` prices (proofs/dynamic_sharding.md,
 "Pricing": safety must not depend on where the ids go).
+
+Priced initial shares (`any_initial_split`, the spec's `AnyInitialSplit`): the
+model has one initial state per agreed split of the initial prefix (`inits`): any
+cursor `initial_cursors` gives and any split of `initial_splits` of it, every rank
+starting on its slice of that one split.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import NamedTuple
 
+from odb_core.assign import initial_cursor
 from odb_core.collective import Contribution, decide_round
 from odb_core.config import ProtocolConfig
 from odb_core.errors import ConfigError, ProtocolError
@@ -89,12 +95,17 @@ class ModelConfig:
 
     `any_placement` (dynamic sharding only): every round's deal is split between
     the ranks by any placement of its count, agreed by all ranks (an adversarial
-    pricing; the spec's `AnyPlacement`)."""
+    pricing; the spec's `AnyPlacement`).
+
+    `any_initial_split` (dynamic sharding only): the ranks start on any agreed split
+    of the initial prefix (`GlobalModel.inits`: one initial state per split; the
+    spec's `AnyInitialSplit`), as a cost table's prices may split it."""
 
     protocol: ProtocolConfig
     shards: tuple[tuple[Sample, ...], ...]
     machine: type[RankMachine] = field(default=RankMachine)
     any_placement: bool = False
+    any_initial_split: bool = False
 
     def __post_init__(self) -> None:
         w = self.protocol.world_size
@@ -104,6 +115,14 @@ class ModelConfig:
             raise ConfigError("any_placement places the deals of dynamic sharding only")
         if self.any_placement and self.protocol.cost_table is not None:
             raise ConfigError("any_placement replaces a cost table's placement: set no table")
+        if self.any_initial_split and not self.protocol.dynamic:
+            raise ConfigError(
+                "any_initial_split splits the initial shares of dynamic sharding only"
+            )
+        if self.any_initial_split and self.protocol.cost_table is not None:
+            raise ConfigError(
+                "any_initial_split replaces a cost table's initial split: set no table"
+            )
         ids = [s.id for shard in self.shards for s in shard]
         if sorted(ids) != list(range(len(ids))):
             raise ConfigError(f"sample ids must be exactly 0..{len(ids) - 1}, got {sorted(ids)}")
@@ -198,6 +217,29 @@ class GlobalModel:
         ] = {}
 
     def init(self) -> GlobalState:
+        """The initial state (a model with `any_initial_split` has several: `inits`)."""
+        if self.config.any_initial_split:
+            raise ValueError("an any_initial_split model has several initial states: use inits()")
+        return self._init()
+
+    def inits(self) -> list[GlobalState]:
+        """Every initial state: the one of `init`, or with `any_initial_split` one per
+        cursor of `initial_cursors` and split of `initial_splits` (the spec's Init)."""
+        if not self.config.any_initial_split:
+            return [self._init()]
+        base, p = self._init(), self.protocol
+        out = []
+        for c in initial_cursors(len(p.plan), self.world, p.target):
+            for b in initial_splits(c, self.world):
+                ranks = tuple(
+                    s._replace(queue=tuple(p.plan[b[r] : b[r + 1]]), cursor=c)
+                    for r, s in enumerate(base.ranks)
+                )
+                pending = tuple(frozenset(s.queue) for s in ranks)
+                out.append(base._replace(ranks=ranks, pending=pending))
+        return out
+
+    def _init(self) -> GlobalState:
         if self.protocol.dynamic:
             # The model's machine deals the initial slices (a broken variant its own).
             make = self.config.machine
@@ -390,6 +432,25 @@ class GlobalModel:
             # The agreed placement is dropped once the last rank has loaded its slice.
             None if all(i is None for i in inbox) else state.placement,
         ), result
+
+
+def initial_cursors(plan_len: int, world: int, target: int) -> tuple[int, ...]:
+    """Every cursor the initial shares may end at (the spec's InitialCursors):
+    `assign.initial_cursor` without a cost table and with one."""
+    return tuple(sorted({initial_cursor(plan_len, world, target, priced=p) for p in (False, True)}))
+
+
+def initial_splits(cursor: int, world: int) -> list[tuple[int, ...]]:
+    """Every split of the initial prefix [0, cursor) into `world` consecutive slices,
+    as bounds 0 = b[0] <= b[1] <= ... <= b[world] = cursor (the spec's
+    InitialSplits(c)): every split a cost table's prices can choose, and more."""
+    return [(0, *inner, cursor) for inner in _rising(world - 1, 0, cursor)]
+
+
+def _rising(n: int, lo: int, hi: int) -> list[tuple[int, ...]]:
+    if n == 0:
+        return [()]
+    return [(a, *rest) for a in range(lo, hi + 1) for rest in _rising(n - 1, a, hi)]
 
 
 @cache

@@ -59,6 +59,9 @@ class ManifestModel:
     # Dynamic sharding: a round's deal split by any placement agreed at AllGather
     # (ModelConfig.any_placement, the spec's AnyPlacement): an adversarial pricing.
     any_placement: bool = False
+    # Dynamic sharding: the ranks start on any agreed split of the initial prefix
+    # (ModelConfig.any_initial_split, the spec's AnyInitialSplit): priced initial shares.
+    any_initial_split: bool = False
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ManifestModel:
@@ -99,6 +102,7 @@ class ManifestModel:
             carried=tuple(int(x) for x in m.get("carried", ())),
             early_form=m.get("early_form"),
             any_placement=bool(m.get("any_placement", False)),
+            any_initial_split=bool(m.get("any_initial_split", False)),
         )
 
     def model_config(self, machine: type[RankMachine] = RankMachine) -> ModelConfig:
@@ -130,7 +134,13 @@ class ManifestModel:
         shards = round_robin_shards(
             self.costs, self.world_size, self.loss, visual=self.visual, patches=self.patches
         )
-        return ModelConfig(protocol, shards, machine=machine, any_placement=self.any_placement)
+        return ModelConfig(
+            protocol,
+            shards,
+            machine=machine,
+            any_placement=self.any_placement,
+            any_initial_split=self.any_initial_split,
+        )
 
     def render(self) -> tuple[str, str]:
         note = "spec/manifest.json" + (f": {self.about}" if self.about else "")

@@ -93,6 +93,7 @@ def spec_constants(cfg: ModelConfig) -> SpecConstants:
         "Target": str(p.configured_target if p.dynamic else 0),
         "EarlyForm": str(p.early_form or 0),
         "AnyPlacement": tla_value(cfg.any_placement),
+        "AnyInitialSplit": tla_value(cfg.any_initial_split),
         "NoValue": "NoValue",
     }
     definitions = {
