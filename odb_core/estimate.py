@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.errors import ConfigError
-from odb_core.protocol import RankMachine, steps_bound
+from odb_core.protocol import RankMachine, oversize_refusal, steps_bound
 from odb_core.sample import Sample
 
 #: Samples per simulated shard; longer shards are scaled linearly from this many.
@@ -128,6 +128,10 @@ def estimate_epoch_steps(
         raise ConfigError(f"shard sizes {list(shard_sizes)} must be >= 0")
     if replicates < 1:
         raise ConfigError(f"replicates={replicates!r} must be >= 1")
+    for s in costs:  # by its own id: the draws below are numbered apart
+        refusal = oversize_refusal(s, config, "the step estimate")
+        if refusal is not None:
+            raise refusal
     bound = steps_bound(shard_sizes)
     if not costs or bound == 0:
         return StepsEstimate(bound, bound, "the proven bound (no cost sample)")

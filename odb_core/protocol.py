@@ -589,32 +589,44 @@ class RankMachine:
         return carried
 
     def _apply_oversize_policy(self, s: Sample) -> Sample:
-        budget, model = self.config.budget, self.config.cost_model
-        if budget.fits_alone(s, model):
+        refusal = oversize_refusal(s, self.config, f"rank {self.rank}")
+        if refusal is not None:
+            raise refusal
+        if self.config.budget.fits_alone(s, self.config.cost_model):
             return s
-        policy = self.config.oversize
-        cost = model.cost(BatchStats().add(s))
-        if policy is OversizePolicy.SOLO:
-            return s
-        if policy is OversizePolicy.TRUNCATE:
+        if self.config.oversize is OversizePolicy.TRUNCATE:
             kept = _truncated_tokens(s, self.config)
-            if kept is not None:
-                self._truncated[s.id] = s.tokens
-                # An adapter that knows the labels measures loss_tokens after the cut;
-                # without labels every kept text token counts.
-                loss = None if s.loss_tokens is None else min(s.loss_tokens, kept)
-                return s._replace(tokens=kept, loss_tokens=loss)
-            raise OversizeSampleError(
-                f"rank {self.rank}: sample {s.id!r} (tokens={s.tokens}, visual_tokens="
-                f"{s.visual_tokens}, patches={s.patches}) exceeds budget "
-                f"{budget.tokens!r} even with all text truncated"
-            )
-        raise OversizeSampleError(
-            f"rank {self.rank}: sample {s.id!r} costs {cost:g} under the "
-            f"{model.name} cost model, over the budget {budget.tokens!r} "
-            f"(max_samples={budget.max_samples}, max_patches={budget.max_patches}); "
-            "choose oversize='solo' or 'truncate' to admit it"
+            assert kept is not None  # oversize_refusal refuses what no cut fits
+            self._truncated[s.id] = s.tokens
+            # An adapter that knows the labels measures loss_tokens after the cut;
+            # without labels every kept text token counts.
+            loss = None if s.loss_tokens is None else min(s.loss_tokens, kept)
+            return s._replace(tokens=kept, loss_tokens=loss)
+        return s  # solo
+
+
+def oversize_refusal(s: Sample, config: ProtocolConfig, where: str) -> OversizeSampleError | None:
+    """The error the oversize policy raises for `s` (`where` found it: a rank, or the
+    step estimate), or None where it is admitted: it fits alone, the policy is
+    `solo`, or `truncate` can cut its text to fit."""
+    budget, model = config.budget, config.cost_model
+    if budget.fits_alone(s, model) or config.oversize is OversizePolicy.SOLO:
+        return None
+    if config.oversize is OversizePolicy.TRUNCATE:
+        if _truncated_tokens(s, config) is not None:
+            return None
+        return OversizeSampleError(
+            f"{where}: sample {s.id!r} (tokens={s.tokens}, visual_tokens="
+            f"{s.visual_tokens}, patches={s.patches}) exceeds budget "
+            f"{budget.tokens!r} even with all text truncated"
         )
+    cost = model.cost(BatchStats().add(s))
+    return OversizeSampleError(
+        f"{where}: sample {s.id!r} costs {cost:g} under the "
+        f"{model.name} cost model, over the budget {budget.tokens!r} "
+        f"(max_samples={budget.max_samples}, max_patches={budget.max_patches}); "
+        "choose oversize='solo' or 'truncate' to admit it"
+    )
 
 
 def _truncated_tokens(s: Sample, config: ProtocolConfig) -> int | None:

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from odb_core.config import Mode, ProtocolConfig
+from odb_core.config import Mode, OversizePolicy, ProtocolConfig
 from odb_core.cost import Budget, PaddedTokens
-from odb_core.errors import ConfigError
+from odb_core.errors import ConfigError, OversizeSampleError
 from odb_core.estimate import StepsEstimate, estimate_epoch_steps, update
 from odb_core.protocol import RankMachine, steps_bound
 from odb_core.sample import Sample
@@ -79,6 +79,24 @@ def test_without_costs_the_estimate_is_the_proven_bound() -> None:
     config = ProtocolConfig(world_size=2, budget=Budget(64))
     est = estimate_epoch_steps(config, [], [5, 4])
     assert (est.steps, est.upper) == (5, 5) and "bound" in est.basis
+
+
+@pytest.mark.parametrize("policy", ["error", "solo", "truncate"])
+def test_an_oversize_sample_is_named_by_its_own_id_not_its_draw(policy: str) -> None:
+    """The estimate runs the former on numbered draws; a sample the `error` policy
+    refuses is named by its dataset id before any draw, one that cannot be truncated
+    likewise, and what solo or a cut admits is estimated."""
+    costs = [Sample(10 + i, 8) for i in range(5)] + [Sample(17, 100)]
+    config = ProtocolConfig(world_size=2, budget=Budget(64), oversize=OversizePolicy(policy))
+    if policy == "error":
+        with pytest.raises(OversizeSampleError, match="the step estimate: sample 17 costs 100"):
+            estimate_epoch_steps(config, costs, [5, 4])
+    else:
+        assert estimate_epoch_steps(config, costs, [5, 4]).steps >= 1
+    if policy == "truncate":
+        pixels = [*costs[:-1], Sample(17, 4, visual_tokens=80)]
+        with pytest.raises(OversizeSampleError, match=r"sample 17 .* even with all text truncated"):
+            estimate_epoch_steps(config, pixels, [5, 4])
 
 
 def test_finished_epochs_refine_the_estimate() -> None:

@@ -20,6 +20,7 @@ from odb_core.torch.epoch_select import EpochCursor
 from odb_core.torch.length import EpochLength, shard_sizes
 from odb_core.torch.measure import LossTokens, measure
 from odb_core.torch.options import LoaderOptions, ShardingChoice
+from odb_core.torch.source import read_sample
 
 __all__ = ["LoaderFacts"]
 
@@ -172,7 +173,7 @@ class LoaderFacts:
         cost_fn = self.options.batch.cost_fn
 
         def measure_one(i: int) -> Any:
-            return measure(self.dataset[i], i, cost_fn, self.loss_tokens)
+            return measure(read_sample(self.dataset, i), i, cost_fn, self.loss_tokens)
 
         return self._length.estimate(size, shard_sizes(size, self.world_size), measure_one)
 

@@ -18,6 +18,7 @@ from odb_core.errors import ConfigError
 from odb_core.schedule import SampleProfile
 from odb_core.torch.length import cost_sample_ids
 from odb_core.torch.measure import CostFn, LossTokens, LossTokensFn, measure
+from odb_core.torch.source import read_sample
 
 __all__ = ["sample_profile"]
 
@@ -40,5 +41,8 @@ def sample_profile(
         raise ConfigError("sample_profile of an empty dataset")
     counter = LossTokens(loss_tokens_fn, label_shift, ignore_index)
     return SampleProfile.of(
-        [measure(dataset[i], i, cost_fn, counter) for i in cost_sample_ids(len(dataset))]
+        [
+            measure(read_sample(dataset, i), i, cost_fn, counter)
+            for i in cost_sample_ids(len(dataset))
+        ]
     )

@@ -32,11 +32,10 @@ from odb_core.torch.sharding import epoch_order, sampler_order
 from odb_core.torch.source import (
     IndexChunks,
     IterSource,
-    LoadFailure,
     MapSource,
-    SampleLoadError,
     WorkerGuard,
     identity,
+    read_sample,
 )
 
 __all__ = ["LoadedOrder", "RankSource", "pricing_table"]
@@ -241,7 +240,4 @@ def _pad_fallback(dataset: Any, rank: int) -> Any:
             f"rank {rank} has no sample this epoch to build its pad batches from "
             "(fewer samples than ranks in the stream); give every rank at least one sample"
         )
-    try:
-        return dataset[0]
-    except Exception as exc:
-        raise SampleLoadError(LoadFailure(0, type(exc).__name__, str(exc), "")) from exc
+    return read_sample(dataset, 0)

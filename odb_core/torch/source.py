@@ -50,6 +50,16 @@ def _failure(sample_id: int, exc: BaseException) -> LoadFailure:
     return LoadFailure(sample_id, type(exc).__name__, str(exc), traceback.format_exc())
 
 
+def read_sample(dataset: Any, sample_id: int) -> Any:
+    """`dataset[sample_id]` read in this process (a length estimate, a profile, a pad
+    batch's shape): a dataset error is raised as the loader's `SampleLoadError`
+    naming the id, as when the loader's own reader meets it."""
+    try:
+        return dataset[sample_id]
+    except Exception as exc:
+        raise SampleLoadError(_failure(sample_id, exc)) from exc
+
+
 def _ship(records: list[Record]) -> list[Record] | Packed:
     # In a worker process records cross a process boundary: pack them (see wire.py).
     return records if get_worker_info() is None else pack(records)
