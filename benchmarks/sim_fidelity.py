@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from simulator.bench_fit import fit_profile
+from simulator.bench_fit import fit_profile, without_first_repeat
 from simulator.bench_workload import BenchSamples, count_bench_samples
 from simulator.fidelity import compare, measured, predict
 
@@ -47,12 +47,17 @@ def _counts(result: dict[str, Any], count: Counter) -> BenchSamples:
 
 
 def run(
-    fit_from: str, predict_path: str | None, sim_seeds: Sequence[int], count: Counter
+    fit_from: str,
+    predict_path: str | None,
+    sim_seeds: Sequence[int],
+    count: Counter,
+    drop_warmup: bool = False,
 ) -> dict[str, Any]:
-    cal = _load(fit_from)
+    loaded = _load(fit_from)
+    cal = without_first_repeat(loaded) if drop_warmup else loaded
     cal_counts = _counts(cal, count)
     profile, fit_report = fit_profile(cal, cal_counts)
-    target = _load(predict_path) if predict_path else cal
+    target = _load(predict_path) if predict_path else loaded
     counts = _counts(target, count) if predict_path else cal_counts
     pred = predict(profile, counts, target["params"], sim_seeds)
     rows = compare(pred, measured(target))
@@ -61,6 +66,7 @@ def run(
         "fit_from": fit_from,
         "predicted_run": predict_path or fit_from,
         "in_sample": predict_path is None,
+        "calibration_repeats": "all but the first" if drop_warmup else "all",
         "profile": profile.describe(),
         "fit": fit_report,
         "predicted": pred,
@@ -74,7 +80,9 @@ def render(out: dict[str, Any]) -> str:
     p, s, f = out["profile"]["prep"], out["profile"]["step"], out["fit"]
     lines = [
         f"fitted from {out['fit_from']} ({out['profile']['source']}), predicting "
-        f"{out['predicted_run']}" + (" (IN-SAMPLE: the same run)" if out["in_sample"] else ""),
+        f"{out['predicted_run']}"
+        + (" (IN-SAMPLE: the same run)" if out["in_sample"] else "")
+        + f"; calibration repeats: {out['calibration_repeats']}",
         f"step model: {1e3 * s['step_s']:.1f} ms/step + {1e3 * s['token_s']:.3f} ms/token + "
         f"{1e3 * s['pad_token_s']:.3f} ms/padding token + {1e3 * s['visual_token_s']:.3f} "
         f"ms/visual token ({f['steps']} steps, rms {1e3 * f['rms_s']:.0f} ms, R2 {f['r2']:.2f})",
@@ -103,11 +111,16 @@ def main(argv: Sequence[str] | None = None, count: Counter = count_bench_samples
     ap.add_argument("--fit-from", required=True, help="the calibration run's bench JSON")
     ap.add_argument("--predict", default=None, help="the run to predict (default: the same)")
     ap.add_argument("--sim-seeds", type=int, default=5, help="simulator seeds (default 5)")
+    ap.add_argument(
+        "--drop-warmup",
+        action="store_true",
+        help="fit without the calibration run's first repeat (a fresh process's warm-up)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     if args.sim_seeds < 1:
         ap.error(f"--sim-seeds={args.sim_seeds} must be >= 1")
-    out = run(args.fit_from, args.predict, range(args.sim_seeds), count)
+    out = run(args.fit_from, args.predict, range(args.sim_seeds), count, args.drop_warmup)
     print(json.dumps(out, indent=1) if args.json else render(out))
     return 0
 

@@ -81,6 +81,26 @@ def rank_timelines(result: dict[str, Any]) -> list[tuple[str, list[dict[str, Any
     return [(name, ranks) for name, repeats in by_name.items() for ranks in repeats]
 
 
+def without_first_repeat(result: dict[str, Any]) -> dict[str, Any]:
+    """The run less its first repeat, every strategy's (its summaries and every rank's
+    timeline): in a fresh rank process the first repeat is a warm-up (on the quiet
+    box of docs/SIMULATOR.md every strategy but the first ran 10-30% slower in it)."""
+    rank_timelines(result)  # refuses a run without them
+    by_name: dict[str, list[Any]] = result["timeline_ranks"]
+    counts = {len(repeats) for repeats in by_name.values()}
+    if min(counts) < 2:
+        raise BenchFormatError(
+            f"the run has {min(counts)} repeat(s): dropping the first leaves nothing to fit"
+        )
+    out = dict(result)
+    out["timeline_ranks"] = {name: repeats[1:] for name, repeats in by_name.items()}
+    out["strategies"] = {
+        name: {**summary, "runs": summary.get("runs", [])[1:]}
+        for name, summary in result["strategies"].items()
+    }
+    return out
+
+
 def step_records(result: dict[str, Any], counts: BenchSamples) -> list[StepRecord]:
     """Every step of every strategy in every repeat of the run, all ranks."""
     fields = result.get("timeline_fields")

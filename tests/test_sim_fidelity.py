@@ -25,6 +25,7 @@ from simulator.bench_fit import (
     pass_s,
     predict_step,
     step_records,
+    without_first_repeat,
 )
 from simulator.bench_workload import BenchSamples
 from simulator.cpu_profile import STEP_FEATURES, CPUProfile, PrepModel, StepModel
@@ -247,3 +248,34 @@ def test_command_predicts_and_compares(tmp_path: Path, capsys: pytest.CaptureFix
     assert sim_fidelity.main([*argv, "--sim-seeds", "2"], count=count) == 0
     text = capsys.readouterr().out
     assert "| odb/gmt, pass counted |" in text and "NOT within 15%" in text
+
+
+def test_drop_warmup_fits_without_the_first_repeat(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A first repeat whose odb-padded first step waited 3x as long (a fresh process's
+    warm-up) moves the fitted worker level; `--drop-warmup` fits the other repeats and
+    recovers it. A run of one repeat is refused."""
+    counts = _counts(240, 0)
+    cal = _bench_json(counts)
+    for summary in cal["strategies"].values():
+        summary["runs"] = summary["runs"] * 2  # as the two repeats of timelines
+    for rank in cal["timeline_ranks"]["odb-padded"][0]:
+        rank["timeline"][0][1] *= 3.0
+    (tmp_path / "cal.json").write_text(json.dumps(cal))
+
+    def count(n: int, seed: int, max_len: int) -> BenchSamples:
+        return counts
+
+    argv = ["--fit-from", str(tmp_path / "cal.json"), "--sim-seeds", "1", "--json"]
+    assert sim_fidelity.main(argv, count=count) == 0
+    with_warmup = json.loads(capsys.readouterr().out)
+    assert with_warmup["fit"]["worker_over_pass"] > 2.0
+    assert sim_fidelity.main([*argv, "--drop-warmup"], count=count) == 0
+    dropped = json.loads(capsys.readouterr().out)
+    assert dropped["calibration_repeats"] == "all but the first"
+    assert dropped["fit"]["worker_over_pass"] == pytest.approx(1.5)
+    assert dropped["fit"]["steps"] == with_warmup["fit"]["steps"] // 2
+    one = without_first_repeat(cal)
+    with pytest.raises(BenchFormatError, match="1 repeat"):
+        without_first_repeat(one)
