@@ -11,7 +11,11 @@ One `torchrun --standalone --nproc-per-node R` per (sharding, repeat), static
 and dynamic interleaved. Per run: epoch steps, tail steps (steps after the
 first rank ran its last real batch), tail seconds (from the end of that batch
 to the epoch's end on the last rank), epoch seconds, real batches per rank;
-each run is checked for 0 lost / 0 duplicated ids and equal steps.
+each run is checked for 0 lost / 0 duplicated ids and equal steps. Each run
+trains `--epochs` epochs (2 by default) in one launch; from the second on,
+dynamic sharding prices its deals by the cost table the ranks learned and
+exchanged at the previous epoch's close (issue 32), and the figures are given
+per epoch.
 
     .venv/bin/python benchmarks/dynamic_tail.py --repeats 3
 """
@@ -82,40 +86,52 @@ def worker(a: argparse.Namespace) -> None:
         peer_timeout=60,
         sharding=a.sharding,
     )
-    rows = []
-    dist.barrier()
-    t0 = time.time()
-    for batch in loader:
-        t_in = time.time()
-        meta = pop_step_meta(batch)
-        info = loader.step_info
-        assert info is not None and info.step == meta.step and info.is_pad == meta.is_pad
-        x = batch["input_ids"]
-        if not meta.is_pad:
-            loss = model(x).square().mean() * meta.loss_scale
-            loss.backward()
-        flat = torch.cat(
-            [
-                torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1)
-                for p in params
-            ]
-        )
-        dist.all_reduce(flat)
-        for p in params:
-            p.grad = None
-        rows.append(
+    epochs = []
+    for epoch in range(a.epochs):
+        loader.set_epoch(epoch)
+        rows = []
+        dist.barrier()
+        t0 = time.time()
+        for batch in loader:
+            t_in = time.time()
+            meta = pop_step_meta(batch)
+            info = loader.step_info
+            assert info is not None and info.step == meta.step and info.is_pad == meta.is_pad
+            x = batch["input_ids"]
+            if not meta.is_pad:
+                loss = model(x).square().mean() * meta.loss_scale
+                loss.backward()
+            flat = torch.cat(
+                [
+                    torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1)
+                    for p in params
+                ]
+            )
+            dist.all_reduce(flat)
+            for p in params:
+                p.grad = None
+            rows.append(
+                {
+                    "step": meta.step,
+                    "pad": meta.is_pad,
+                    "ids": [] if meta.is_pad else list(info.sample_ids),
+                    "tokens": 0 if meta.is_pad else int(x.numel()),
+                    "t_in": t_in,
+                    "t_end": time.time(),
+                }
+            )
+        t_done = time.time()
+        table = loader.cost_table  # what the next epoch's deals are priced by
+        epochs.append(
             {
-                "step": meta.step,
-                "pad": meta.is_pad,
-                "ids": [] if meta.is_pad else list(info.sample_ids),
-                "tokens": 0 if meta.is_pad else int(x.numel()),
-                "t_in": t_in,
-                "t_end": time.time(),
+                "t0": t0,
+                "t_done": t_done,
+                "rows": rows,
+                "table_seen_after": None if table is None else table.seen,
             }
         )
-    t_done = time.time()
     Path(a.out, f"rank{rank}.json").write_text(
-        json.dumps({"rank": rank, "world": world, "t0": t0, "t_done": t_done, "rows": rows})
+        json.dumps({"rank": rank, "world": world, "epochs": epochs})
     )
     dist.barrier()
     dist.destroy_process_group()
@@ -128,10 +144,26 @@ class RunFailed(AssertionError):
     pass
 
 
-def facts(out: Path, ranks: int, samples: int) -> dict[str, Any]:
-    """One run's numbers from its ranks' logs; RunFailed on lost or duplicated ids
-    or unequal steps."""
+def facts(out: Path, ranks: int, samples: int) -> list[dict[str, Any]]:
+    """One run's numbers, per epoch, from its ranks' logs; RunFailed on lost or
+    duplicated ids or unequal steps in any epoch."""
     logs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    per_epoch = []
+    for e in range(len(logs[0]["epochs"])):
+        epoch = [{"rank": x["rank"], **x["epochs"][e]} for x in logs]
+        try:
+            facts_e = {"epoch": e, **epoch_facts(epoch, samples)}
+        except RunFailed as exc:
+            raise RunFailed(f"epoch {e}: {exc}") from None
+        # the ids the learned table priced this epoch's deals by: what the ranks
+        # observed in the epoch before (0: priced at the mean)
+        facts_e["priced_ids"] = (logs[0]["epochs"][e - 1]["table_seen_after"] or 0) if e else 0
+        per_epoch.append(facts_e)
+    return per_epoch
+
+
+def epoch_facts(logs: list[dict[str, Any]], samples: int) -> dict[str, Any]:
+    ranks = len(logs)
     steps = {r: len(x["rows"]) for r, x in enumerate(logs)}
     if len(set(steps.values())) != 1:
         raise RunFailed(f"unequal steps per rank: {steps}")
@@ -170,6 +202,7 @@ def one(sharding: str, a: argparse.Namespace) -> dict[str, Any]:
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={a.ranks}", __file__, "--worker", str(out),
             "--sharding", sharding, "--samples", str(a.samples), "--width", str(a.width),
+            "--epochs", str(a.epochs),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
         t = time.monotonic()
@@ -181,24 +214,37 @@ def one(sharding: str, a: argparse.Namespace) -> dict[str, Any]:
         if proc.returncode != 0:
             log = (proc.stdout + proc.stderr)[-3000:]
             raise RunFailed(f"{sharding}: torchrun exited {proc.returncode}\n{log}")
-        return {**base, **facts(out, a.ranks, a.samples)}
+        return {**base, "epochs": facts(out, a.ranks, a.samples)}
 
 
 def median(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(float(r[key]) for r in runs)
 
 
-def main() -> None:
+KEYS = ("epoch_steps", "tail_steps", "tail_s", "epoch_s")
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="runs per sharding (default 3)")
     p.add_argument("--samples", type=int, default=160, help="dataset size (default 160)")
     p.add_argument("--ranks", type=int, default=4, help="torchrun ranks (default 4)")
     p.add_argument("--width", type=int, default=768, help="MLP width: work per token (default 768)")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=2,
+        help="epochs per run (default 2: the second's deals priced by the table learned "
+        "in the first, under dynamic sharding)",
+    )
     p.add_argument("--timeout", type=float, default=300, help="seconds per torchrun")
     p.add_argument("--json", action="store_true", help="one JSON object: every run and medians")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     p.add_argument("--sharding", choices=SHARDINGS, help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    for name in ("repeats", "samples", "ranks", "width", "epochs"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name}={getattr(a, name)} must be >= 1")
     if a.worker:
         a.out = a.worker
         worker(a)
@@ -211,14 +257,22 @@ def main() -> None:
             runs.append(r)
             if not a.json:
                 print(json.dumps(r), flush=True)
-    keys = ("epoch_steps", "tail_steps", "tail_s", "epoch_s")
     med = {
-        sh: {k: median([r for r in runs if r["sharding"] == sh], k) for k in keys}
+        sh: [
+            {k: median([r["epochs"][e] for r in runs if r["sharding"] == sh], k) for k in KEYS}
+            for e in range(a.epochs)
+        ]
         for sh in SHARDINGS
     }
-    ratio = {k: (med["dynamic"][k] / med["static"][k] if med["static"][k] else None) for k in keys}
+    ratio = [
+        {
+            k: (med["dynamic"][e][k] / med["static"][e][k] if med["static"][e][k] else None)
+            for k in KEYS
+        }
+        for e in range(a.epochs)
+    ]
     load = os.getloadavg()
-    config = {k: getattr(a, k) for k in ("repeats", "samples", "ranks", "width")}
+    config = {k: getattr(a, k) for k in ("repeats", "samples", "ranks", "width", "epochs")}
     if a.json:
         out = {
             "config": config,
@@ -231,10 +285,14 @@ def main() -> None:
         print(json.dumps(out))
         return
     print(f"\nmedians of {a.repeats} runs, {a.ranks} gloo ranks, {a.samples} samples")
-    print(f"{'':12}{'static':>10}{'dynamic':>10}{'dyn/static':>12}")
-    for k in keys:
-        rt = "-" if ratio[k] is None else f"{ratio[k]:.2f}"
-        print(f"{k:12}{med['static'][k]:>10.3g}{med['dynamic'][k]:>10.3g}{rt:>12}")
+    for e in range(a.epochs):
+        priced = sorted({r["epochs"][e]["priced_ids"] for r in runs if r["sharding"] == "dynamic"})
+        how = f"dynamic priced by a table of {priced} ids" if e and any(priced) else "mean"
+        print(f"epoch {e + 1} (deals: {how})")
+        print(f"{'':12}{'static':>10}{'dynamic':>10}{'dyn/static':>12}")
+        for k in KEYS:
+            rt = "-" if ratio[e][k] is None else f"{ratio[e][k]:.2f}"
+            print(f"{k:12}{med['static'][e][k]:>10.3g}{med['dynamic'][e][k]:>10.3g}{rt:>12}")
     for when, la in (("before", load0), ("after", load)):
         print(f"load average {when}: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
 
