@@ -4,28 +4,15 @@ sharding": the part of the gap to gmt that is the price of unknown costs)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 from unittest import mock
+
+from benchmark_scripts import load_benchmark
 
 from odb_core import assign, collective
 from odb_core.collective import Contribution
 
-
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "deal_oracle.py"
-    spec = importlib.util.spec_from_file_location("deal_oracle", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["deal_oracle"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ORACLE = _load()
+ORACLE = load_benchmark("deal_oracle")
 
 
 def _c(unread: int, held: int, work: int) -> Contribution:

@@ -5,29 +5,16 @@ Timings are reported, never asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 pytest.importorskip("torch")
 
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "dynamic_tail.py"
-
-
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("dynamic_tail", PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["dynamic_tail"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-dynamic_tail = _load()
+dynamic_tail = load_benchmark("dynamic_tail")
 
 
 def _log(rank: int, epochs: list[list[list[int]]], seen: int | None) -> dict[str, Any]:

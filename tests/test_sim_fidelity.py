@@ -5,16 +5,14 @@ predicts and compares. Nothing here is timed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
+from benchmark_scripts import load_benchmark
 
 from simulator.bench_fit import (
     BenchFormatError,
@@ -36,17 +34,7 @@ TRUE_PREP = PrepModel(sample_s=2e-3, visual_token_s=5e-5)
 TRUE_WORKER = PrepModel(sample_s=3e-3, visual_token_s=7.5e-5)  # 1.5 x the rank process's
 
 
-def _load_command() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sim_fidelity.py"
-    spec = importlib.util.spec_from_file_location("sim_fidelity", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sim_fidelity"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sim_fidelity = _load_command()
+sim_fidelity = load_benchmark("sim_fidelity")
 FIELDS = ["t_s", "wait_s", "compute_s", "real_tokens", "computed_tokens", "samples", "is_pad"]
 
 
