@@ -58,7 +58,7 @@ def worker(a: argparse.Namespace) -> None:
         """Every 4th sample is long: round-robin static shards give them to rank 0."""
 
         def __len__(self) -> int:
-            return a.samples
+            return int(a.samples)
 
         def __getitem__(self, i: int) -> dict[str, Any]:
             return {"input_ids": torch.full((length_of(i),), i % 100)}
