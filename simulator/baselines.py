@@ -103,14 +103,15 @@ class Baselines(Run):
         plan = grouped.accelerate_shard(order, bs, self.world)
         return self.run_planned("grouped-modality", plan, float(self.budget))
 
-    def _cut(self, ordered: Sequence[int]) -> list[list[int]]:
-        """Greedy cut of `ordered` at the budget, on cached lengths (what an offline
-        sampler knows)."""
+    def _cut(self, ordered: Sequence[int], budget: float | None = None) -> list[list[int]]:
+        """Greedy cut of `ordered` at the budget (or `budget`), on cached lengths (what
+        an offline sampler knows)."""
         batches: list[list[int]] = []
         cur: list[int] = []
         st = BatchStats()
         c = self.cols
-        cost, budget = self.model.cost, self.budget
+        cost = self.model.cost
+        budget = self.budget if budget is None else budget
         for i in ordered:
             ln = c.cached[i]
             t = round(ln * c.text[i] / c.length[i]) if c.length[i] else ln
@@ -140,6 +141,30 @@ class Baselines(Run):
         c = self.cols
         ordered = sorted(range(c.n), key=lambda i: (-c.cached[i], i))
         return self.run_planned("gmt", self._shard_batches(self._cut(ordered), 2), self.budget)
+
+    def gmt_safe(self) -> dict[str, Any]:
+        """gmt with the head-room that keeps its stale plan inside memory: it cuts at
+        the largest fraction of the budget, on a 1% grid down from 1, whose batches
+        all fit the token capacity once their observed lengths are known (a batch of
+        one sample is exempt: no head-room shrinks it). The fraction is chosen in
+        hindsight, with the observed lengths, so this is the strongest gmt a user
+        could run without an out-of-memory step."""
+        c = self.cols
+        ordered = sorted(range(c.n), key=lambda i: (-c.cached[i], i))
+        padded = self.cfg.padded_collation
+        cap = self.cfg.hardware.token_capacity
+
+        def fits(batch: list[int]) -> bool:
+            lens = [c.length[i] for i in batch]
+            return len(batch) == 1 or make_slot(lens, (), padded, 0.0).mem_tokens <= cap
+
+        for pct in range(100, 0, -1):
+            batches = self._cut(ordered, self.budget * pct / 100)
+            if all(fits(b) for b in batches):
+                break
+        out = self.run_planned("gmt-safe", self._shard_batches(batches, 2), self.budget)
+        out["metrics"]["headroom"] = round(1 - pct / 100, 2)
+        return out
 
     def bmt(self) -> dict[str, Any]:
         c, size = self.cols, self.cfg.bmt_bucket

@@ -131,6 +131,8 @@ def _simulate_epoch(
             res = run.standard()
         elif name == "gmt":
             res = run.gmt()
+        elif name == "gmt-safe":
+            res = run.gmt_safe()
         elif name == "bmt":
             res = run.bmt()
         elif name == "grouped":
@@ -173,6 +175,7 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | No
         return float(m["samples_per_s"])
 
     base, oracle, group = rate("standard"), rate("gmt"), rate("grouped")
+    safe = rate("gmt-safe")
     out: dict[str, dict[str, float | None]] = {}
     for name in results:
         r = rate(name)
@@ -181,4 +184,6 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | No
             "vs_gmt": round(r / oracle, 3) if r and oracle else None,
             "vs_grouped": round(r / group, 3) if r and group else None,
         }
+        if "gmt-safe" in results:
+            out[name]["vs_gmt_safe"] = round(r / safe, 3) if r and safe else None
     return out

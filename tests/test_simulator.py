@@ -213,6 +213,35 @@ def test_gmt_on_stale_lengths_overshoots_memory_while_odb_does_not() -> None:
     assert simulate(exact)["strategies"]["gmt"]["oom_steps"] == 0
 
 
+def test_gmt_safe_cuts_at_the_largest_budget_fraction_that_fits_memory() -> None:
+    """gmt-safe keeps gmt's stale plan inside memory with the least head-room on its
+    1% grid: no out-of-memory step, and one point less head-room would put a batch
+    of more than one sample over the token capacity. Ratios against it are reported."""
+    c = cfg("sharegpt4o", 4000, 8, strategies=("gmt", "gmt-safe", "odb"))
+    out = simulate(c)
+    s = out["strategies"]
+    assert s["gmt"]["oom_steps"] > 0 and s["gmt-safe"]["oom_steps"] == 0
+    head = s["gmt-safe"]["headroom"]
+    assert 0 < head < 0.5
+    assert s["gmt-safe"]["lost_ids"] == 0 and s["gmt-safe"]["duplicated_ids"] == 0
+    assert s["gmt-safe"]["steps"] >= s["gmt"]["steps"]
+    run = _Run(c, None)
+    cap, length = c.hardware.token_capacity, run.cols.length
+    ordered = sorted(range(run.cols.n), key=lambda i: (-run.cols.cached[i], i))
+
+    def over(pct: float) -> int:
+        batches = run._cut(ordered, run.budget * pct)
+        return sum(len(b) > 1 and sum(length[i] for i in b) > cap for b in batches)
+
+    assert over(1 - head) == 0
+    assert over(1 - head + 0.01) > 0
+    r = out["ratios"]["odb"]
+    assert r["vs_gmt_safe"] == pytest.approx(
+        s["odb"]["samples_per_s"] / s["gmt-safe"]["samples_per_s"], abs=1e-3
+    )
+    assert "vs_gmt_safe" not in simulate(cfg("llava", 400, 2, strategies=("gmt",)))["ratios"]["gmt"]
+
+
 def test_odb_beats_padded_fixed_batches_and_ratios_are_reported() -> None:
     out = simulate(cfg("ultrachat", 4000, 8, strategies=("standard", "gmt", "odb")))
     r = out["ratios"]

@@ -25,7 +25,7 @@ from odb_core.errors import ConfigError
 from odb_core.formers import FormerKind
 
 _WORKLOADS = ("ultrachat", "llava", "sharegpt4o", "mmmix")
-_STRATEGIES = (
+_DEFAULT_STRATEGIES = (
     "standard",
     "gmt",
     "bmt",
@@ -36,6 +36,7 @@ _STRATEGIES = (
     "odb-quota",
     "odb-ref",
 )
+_STRATEGIES = (*_DEFAULT_STRATEGIES, "gmt-safe")  # gmt-safe only when named
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -84,7 +85,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--strategies",
         type=str_list,
-        default=list(_STRATEGIES),
+        default=list(_DEFAULT_STRATEGIES),
         help=f"comma-separated subset of {','.join(_STRATEGIES)}",
     )
     p.add_argument("--seed", type=int, default=0)
