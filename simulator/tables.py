@@ -25,6 +25,15 @@ _COLUMNS = (
 )
 
 
+_SAFE_COLUMN = ("vs safe", 7, "vs_gmt_safe", "r")  # only when gmt-safe ran
+
+
+def _columns(run: dict[str, Any]) -> tuple[tuple[str, int, str, str], ...]:
+    if "gmt-safe" not in run["strategies"]:
+        return _COLUMNS
+    return (*_COLUMNS[:4], _SAFE_COLUMN, *_COLUMNS[4:])
+
+
 def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
@@ -46,18 +55,19 @@ def _cell(value: Any, width: int, kind: str) -> str:
 def format_run(run: dict[str, Any]) -> str:
     c = run["config"]
     wl = run["workload"]
+    columns = _columns(run)
     lines = [
         f"odb simulate: {c['workload']} ({wl['samples']:,} samples, mean {wl['mean_tokens']:,.0f} "
         f"tokens, CV {wl['cv']}), {c['ranks']} ranks on {c['nodes']} node(s), "
         f"{run['hardware']['accelerator']['name']}, budget {c['budget_tokens']:,} tokens "
         f"({c['cost_model']}), standard batch size {c['standard_batch_size']}, odb "
         f"sharding {c['sharding']}",
-        f"{'strategy':<16} " + " ".join(f"{h:>{w}}" for h, w, _, _ in _COLUMNS),
+        f"{'strategy':<16} " + " ".join(f"{h:>{w}}" for h, w, _, _ in columns),
     ]
     for name, m in run["strategies"].items():
         r = run["ratios"].get(name, {})
         cells = [
-            _cell(r.get(key) if kind == "r" else m[key], w, kind) for _, w, key, kind in _COLUMNS
+            _cell(r.get(key) if kind == "r" else m[key], w, kind) for _, w, key, kind in columns
         ]
         lines.append(f"{name:<16} " + " ".join(cells))
     for name, reason in run.get("skipped", {}).items():
@@ -72,6 +82,12 @@ def format_run(run: dict[str, Any]) -> str:
                 f"  fault {name}: rank {f['dead_rank']} died at {f['died_at_s']}s; "
                 f"{len(f['detected_by'])} ranks reported it {when} ({f['how']})"
             )
+    safe = run["strategies"].get("gmt-safe")
+    if safe is not None and "headroom" in safe:
+        lines.append(
+            f"  gmt-safe: cut at {100 * (1 - safe['headroom']):.0f}% of the budget, the "
+            "largest share whose batches all fit memory"
+        )
     odb = run["strategies"].get("odb")
     if odb is not None and "rounds" in odb:
         lines.append(
@@ -79,10 +95,13 @@ def format_run(run: dict[str, Any]) -> str:
             f"(bound {odb['steps_bound']}), {odb['wall_s']:,.1f}s simulated"
         )
     for e in run.get("epochs", []):
-        vs = e["ratios"].get("odb", {}).get("vs_gmt")
+        odb_r = e["ratios"].get("odb", {})
+        safe_r = odb_r.get("vs_gmt_safe")
         lines.append(
             f"  epoch {e['epoch'] + 1}: odb {e['samples_per_s'].get('odb')} samples/s, "
-            f"odb/gmt {vs}, tail {e['tail_steps'].get('odb')} steps"
+            f"odb/gmt {odb_r.get('vs_gmt')}"
+            + (f", odb/gmt-safe {safe_r}" if safe_r is not None else "")
+            + f", tail {e['tail_steps'].get('odb')} steps"
             + (", deals priced by the learned cost table" if e["priced"].get("odb") else "")
         )
     perf = run.get("perf", {})

@@ -17,6 +17,7 @@ from odb_core.protocol import RankMachine
 from simulator.dataloader import DataSource
 from simulator.engine import Faults, SimConfig, _Run, simulate
 from simulator.hardware import make_hardware
+from simulator.tables import format_run
 from simulator.workloads import load_jsonl, make_workload
 
 FAST = ("standard", "gmt", "bmt", "odb", "odb-bfd", "odb-quota")
@@ -239,7 +240,11 @@ def test_gmt_safe_cuts_at_the_largest_budget_fraction_that_fits_memory() -> None
     assert r["vs_gmt_safe"] == pytest.approx(
         s["odb"]["samples_per_s"] / s["gmt-safe"]["samples_per_s"], abs=1e-3
     )
-    assert "vs_gmt_safe" not in simulate(cfg("llava", 400, 2, strategies=("gmt",)))["ratios"]["gmt"]
+    plain = simulate(cfg("llava", 400, 2, strategies=("gmt",)))
+    assert "vs_gmt_safe" not in plain["ratios"]["gmt"]
+    table = format_run(out)
+    assert "vs safe" in table and f"cut at {100 * (1 - head):.0f}% of the budget" in table
+    assert "vs safe" not in format_run(plain)
 
 
 def test_odb_beats_padded_fixed_batches_and_ratios_are_reported() -> None:
