@@ -589,11 +589,11 @@ class RankMachine:
         return carried
 
     def _apply_oversize_policy(self, s: Sample) -> Sample:
+        if self.config.budget.fits_alone(s, self.config.cost_model):
+            return s  # the common case, checked once
         refusal = oversize_refusal(s, self.config, f"rank {self.rank}")
         if refusal is not None:
             raise refusal
-        if self.config.budget.fits_alone(s, self.config.cost_model):
-            return s
         if self.config.oversize is OversizePolicy.TRUNCATE:
             kept = _truncated_tokens(s, self.config)
             assert kept is not None  # oversize_refusal refuses what no cut fits
