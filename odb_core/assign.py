@@ -2,8 +2,9 @@
 
 With `Sharding.DYNAMIC` no rank owns a fixed 1/W of the epoch. The epoch has one
 plan (an ordered tuple of sample ids, the same on every rank). Each rank starts
-with a contiguous `initial_share` of it (with a learned cost table, slices of
-about equal priced cost: `initial_slices`); after that, every round's all-gather
+with a contiguous `initial_share` of it (with a learned cost table, the plan's
+prefix placed by price so that every rank starts on about equal priced work:
+`placement`, `initial_slices`); after that, every round's all-gather
 carries what each rank holds (`Contribution.unread`, `.held`, `.held_work`), and
 every rank deals the next plan positions with the same pure `deal`, so all ranks
 agree on who loads which id without a further collective, and no sample ever
@@ -110,51 +111,63 @@ def initial_slices(
     plan_len: int,
     world: int,
     target: int,
-    priced: Callable[[int], int] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> tuple[tuple[int, int], ...]:
     """Every rank's initial plan positions [start, stop), in rank order: consecutive,
     contiguous slices covering [0, initial_cursor) once. Pure: every rank computes
-    the same tuple from agreed state (the plan's length, the world, the target and,
-    with a learned cost table, the table's prices of the plan).
+    the same tuple from agreed state.
 
-    Without a table (`priced` None): `initial_share` ids a rank (`initial_slice`).
+    Without a table (`sizes` None): `initial_share` ids a rank (`initial_slice`).
 
-    With a table, `priced(k)` is the priced cost of the plan's first k ids
-    (non-decreasing, `priced(0) == 0`; ids the table never saw priced at its mean,
-    `CostTable.priced_prefix`). The prefix is split where its priced cost comes
-    nearest to r/W of its total, so every rank starts on about the same priced
-    work (within one id's price) and on at least one id while the prefix holds
-    one a rank. And when a round would deal all the rest of the plan anyway
-    (`world * target >= plan_len`: the first round's starved ranks want more than
-    is left), the prefix is the whole plan: no round waits for the first half to
-    be read before the rest is dealt (docs/SIMULATOR.md, "The cost table learned
-    online"). The ids dealt up front then change (all of them, not half), and
-    who gets which; D1 and D2 need only that every rank computes the same slices
-    (proofs/dynamic_sharding.md, "Pricing").
+    With a learned cost table the plan's prefix is placed first (`placement`, through
+    `cost_table.placed`): reordered so that each rank's priced share of it is one run
+    of the plan, and `sizes` are the runs' lengths, in rank order. The prefix is then
+    the whole plan when one round would deal all the rest of it anyway (`world *
+    target >= plan_len`: the first round's starved ranks want more than is left), so
+    no round waits for the first half to be read before the rest is dealt
+    (docs/SIMULATOR.md, "The cost table learned online"). D1 and D2 need only that
+    every rank computes the same slices (proofs/dynamic_sharding.md, "Pricing").
     """
-    if priced is None:
+    if sizes is None:
         return tuple(initial_slice(r, plan_len, world, target) for r in range(world))
     c = initial_cursor(plan_len, world, target, priced=True)
-    total = priced(c)
-    bounds = [0]
-    lo = 0
-    for r in range(1, world):
-        goal = total * r // world
-        a, z = lo, c  # the first position k >= lo whose priced prefix reaches the goal
-        while a < z:
-            m = (a + z) // 2
-            if priced(m) < goal:
-                a = m + 1
-            else:
-                z = m
-        if a > lo and priced(a) - goal > goal - priced(a - 1):
-            a -= 1  # the nearer of the two positions around the goal (ties: the upper)
-        if c >= world:  # at least one id for this rank and one for each later one
-            a = min(max(a, lo + 1), c - (world - r))
-        bounds.append(a)
-        lo = a
-    bounds.append(c)
-    return tuple((bounds[r], bounds[r + 1]) for r in range(world))
+    if len(sizes) != world or sum(sizes) != c or min(sizes, default=0) < 0:
+        raise ValueError(
+            f"sizes {tuple(sizes)!r} do not split {c} plan positions over {world} ranks"
+        )
+    out, at = [], 0
+    for n in sizes:
+        out.append((at, at + n))
+        at += n
+    return tuple(out)
+
+
+def placement(
+    prices: Sequence[int], keys: Sequence[int], world: int
+) -> tuple[tuple[int, ...], ...]:
+    """The ranks' shares of a priced plan prefix: positions 0..len-1, in rank order,
+    each rank's in plan order. Longest-processing-time list scheduling (Graham,
+    "Bounds on multiprocessing timing anomalies", SIAM J. Appl. Math. 17(2), 1969):
+    positions are taken dearest first (ties: the lower key) and each goes to the rank
+    of least priced work so far (ties: the rank of fewer ids, then the lower rank). So
+    any two ranks' priced work differs by at most the dearest price, where a split
+    into contiguous runs of the plan is off by up to a whole id at every cut; and
+    every rank gets an id while there is one a rank.
+
+    The shares depend only on the (key, price) pairs, not on their order: placing a
+    placed prefix gives the same shares again, so a placed plan is a fixed point
+    (`cost_table.placed`).
+    """
+    if len(prices) != len(keys):
+        raise ValueError(f"{len(prices)} prices for {len(keys)} keys")
+    order = sorted(range(len(prices)), key=lambda k: (-prices[k], keys[k]))
+    heap = [(0, 0, r) for r in range(world)]
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for k in order:
+        work, count, r = heapq.heappop(heap)
+        shares[r].append(k)
+        heapq.heappush(heap, (work + prices[k], count + 1, r))
+    return tuple(tuple(sorted(s)) for s in shares)
 
 
 class Pricing(NamedTuple):

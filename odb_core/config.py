@@ -138,7 +138,10 @@ class ProtocolConfig:
     sharding: Sharding = Sharding.STATIC
     plan: tuple[int, ...] = ()
     """Dynamic sharding: the epoch's sample ids in the order they are dealt (the
-    same tuple on every rank). Not part of `describe()`: it changes every epoch."""
+    same tuple on every rank). With a `cost_table` its initial prefix is placed by
+    the table's prices as the config is built (`CostTable.placed`: the same ids,
+    reordered so that each rank's initial share is one run). Not part of
+    `describe()`: it changes every epoch."""
     assign_target: int | None = None
     """Dynamic sharding: the configured target T, the window size `buffer_size` when
     not set. The deal tops each rank up to `target`, which is T bounded by the
@@ -207,6 +210,11 @@ class ProtocolConfig:
                 raise ConfigError("a cost table prices deals: it needs sharding='dynamic'")
         if self.assign_target is not None:
             _positive_int("assign_target", self.assign_target)
+        if self.cost_table is not None and self.plan:
+            # The initial shares by the table's prices (`CostTable.placed`): agreed
+            # state, and a fixed point, so every rank's config holds the same plan.
+            placed, _ = self.cost_table.placed(self.plan, self.world_size, self.target)
+            object.__setattr__(self, "plan", placed)
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"deterministic={self.deterministic!r} must be a bool")
         if self.grad_accum_steps is not None and self.tokens_per_update is not None:

@@ -7,7 +7,8 @@ epoch's close the ranks exchange them once, as one byte per dataset id (`encode`
 log-scale code, 12 steps per octave, so a decoded cost is within 3% of the observed
 one; 0 means never seen), combined by a bytewise maximum (each id was observed by one
 rank). From the next epoch on the deal prices each id by the table (`price`), the
-mean for ids never seen. 10M ids take 10 MB.
+mean for ids never seen, and the initial shares are placed by it (`CostTable.placed`).
+10M ids take 10 MB.
 
 Pricing decides only where an id goes, never which ids are dealt or whether one is
 trained: the deal's counts are a function of agreed state whatever the table holds
@@ -23,6 +24,7 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from odb_core.assign import initial_cursor, placement
 from odb_core.errors import ResumeStateError
 
 UNSEEN = 0
@@ -77,13 +79,14 @@ def combine(tables: Iterable[bytes | bytearray]) -> bytes:
 class CostTable:
     """The agreed table of one epoch: a code per dataset id (immutable)."""
 
-    __slots__ = ("_codes", "_prefix")
+    __slots__ = ("_codes", "_placed", "_prefix")
 
     def __init__(self, codes: bytes) -> None:
         if not isinstance(codes, (bytes, bytearray)):
             raise TypeError(f"codes must be bytes, got {type(codes).__name__}")
         self._codes = bytes(codes)
         self._prefix: tuple[Sequence[int], tuple[list[int], list[int]]] | None = None
+        self._placed: tuple[Any, ...] = ()
 
     def __len__(self) -> int:
         return len(self._codes)
@@ -146,6 +149,39 @@ class CostTable:
             return known[k] + mean * unseen[k]
 
         return priced
+
+    def placed(
+        self, plan: tuple[int, ...], world: int, target: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The plan with its initial prefix placed, and the ranks' share sizes: the
+        prefix `assign.initial_cursor(..., priced=True)` reordered so that each rank's
+        share (`assign.placement` by this table's prices, unseen ids at the mean of
+        the seen ones, as `priced_prefix`) is one run, in rank order; the rest of the
+        plan as it was. The same ids are dealt up front whatever the prices, and a
+        placed plan places to itself (`ProtocolConfig` places every plan it is given
+        with a table, so a config built from a placed plan is the same config). Kept
+        for the last plan asked: every rank of a simulation shares the epoch's plan."""
+        key = (world, target)
+        cached = self._placed
+        if cached and cached[2] == key and (plan is cached[0] or plan is cached[1]):
+            return cached[1], cached[3]
+        c = initial_cursor(len(plan), world, target, priced=True)
+        known, unseen = self.plan_prefix(plan)
+        seen = len(plan) - unseen[-1]
+        mean = max(1, known[-1] // seen) if seen else 1
+        codes, dec, n = self._codes, _DECODED, len(self._codes)
+        head = plan[:c]
+        prices = []
+        for i in head:
+            code = codes[i] if 0 <= i < n else UNSEEN
+            prices.append(mean if code == UNSEEN else dec[code])
+        shares = placement(prices, head, world)
+        out = (*(head[k] for share in shares for k in share), *plan[c:])
+        sizes = tuple(len(share) for share in shares)
+        if out == plan:
+            out = plan
+        self._placed = (plan, out, key, sizes)
+        return out, sizes
 
     def to_state(self) -> dict[str, Any]:
         """Plain data for a loader state: the codes, compressed, and their checksum."""

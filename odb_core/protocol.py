@@ -128,8 +128,8 @@ def initial_slices_of(config: ProtocolConfig) -> tuple[tuple[int, int], ...]:
     cached = _INITIAL[0]
     if cached and cached[0] is plan and cached[1] is table and cached[2] == key:
         return cached[3]  # type: ignore[no-any-return]
-    priced = None if table is None else table.priced_prefix(plan)
-    out = initial_slices(len(plan), config.world_size, config.target, priced)
+    sizes = None if table is None else table.placed(plan, *key)[1]
+    out = initial_slices(len(plan), config.world_size, config.target, sizes)
     _INITIAL[0] = (plan, table, key, out)
     return out
 

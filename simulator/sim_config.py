@@ -122,10 +122,11 @@ class SimConfig:
     its ranks observed in the one before (`odb_core.cost_table`), and every sample's
     cost varies from epoch to epoch by `epoch_noise` (augmentation)."""
     epoch_noise: float = 0.1
-    cost_table: bool = True
-    """From the second epoch, price odb's deals by the costs learned in the one
-    before; False: at the mean, as in the first (the control of the table's gain)."""
     """The relative spread (log-normal sigma) of a sample's cost between epochs."""
+    cost_table: bool = True
+    """From the second epoch, price odb's initial shares and deals by the costs
+    learned in the one before; False: at the mean, as in the first (the control of
+    the table's gain)."""
     early_form_wait_s: float = 0.25
     """A rank forms early only if its next sample is not there yet and the rest of
     its window would take longer than this to preprocess."""

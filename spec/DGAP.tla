@@ -30,7 +30,8 @@
 (* With AnyPlacement the deal's count is split by any placement, agreed    *)
 (* by all ranks at AllGather (placement): an adversarial pricing.  With    *)
 (* AnyInitialSplit the ranks start on any agreed split of the initial      *)
-(* prefix (InitialSplits): an adversarial pricing of the initial slices.   *)
+(* prefix's ids (InitialSplits): an adversarial placement of the initial   *)
+(* shares.                                                                 *)
 (*                                                                         *)
 (* A batch is the set of its sample ids: the order inside a batch and its  *)
 (* oversize flag are functions of that set.  Oversized samples follow the  *)
@@ -237,19 +238,21 @@ InitialShare == Max2(1, Min2(DealTarget, Len(Plan) \div (2 * W)))
 InitialSlice(r) ==
     PlanIds(Min2(r * InitialShare, Len(Plan)), Min2((r + 1) * InitialShare, Len(Plan)))
 InitialCursor == IF Dynamic THEN Min2(W * InitialShare, Len(Plan)) ELSE 0
-\* Priced initial shares (assign.initial_slices with a cost table, issue 32): the
-\* ranks start on consecutive contiguous slices of the prefix [0, c), split where
-\* the table's prices say; c is assign.initial_cursor (priced or not): the whole
-\* plan when one round would deal all the rest anyway (W * DealTarget >= Len(Plan)).
-\* Safety uses only that every rank computes the same split from agreed state
-\* (proofs/dynamic_sharding.md, "Pricing"), so with AnyInitialSplit Init picks any
-\* c of InitialCursors and any split of InitialSplits(c): bounds 0 = b[0] <= b[1]
-\* <= .. <= b[W] = c, rank r starting on PlanIds(b[r], b[r + 1]) with cursor c.
-\* (The Python split gives each rank an id when c >= W; these splits need not.)
+\* Priced initial shares (cost_table.placed, issue 32): a learned table places the
+\* prefix [0, c) (assign.placement: each id to the rank of least priced work so
+\* far) and reorders it so that every rank's share is one run of the plan; c is
+\* assign.initial_cursor (priced or not): the whole plan when one round would deal
+\* all the rest anyway (W * DealTarget >= Len(Plan)). Safety uses only that every
+\* rank computes the same shares from agreed state (proofs/dynamic_sharding.md,
+\* "Pricing"), so with AnyInitialSplit Init picks any c of InitialCursors and any
+\* split of InitialSplits(c): a rank f[i] for every id i of the prefix, rank r
+\* starting on ShareOf(f, r) with cursor c. Any placement of the prefix is one of
+\* them, and so is any cut of it into consecutive slices (the unpriced start).
+\* (The Python placement gives each rank an id when c >= W; these splits need not.)
 InitialCursors ==
     {InitialCursor, IF W * DealTarget >= Len(Plan) THEN Len(Plan) ELSE InitialCursor}
-InitialSplits(c) ==
-    {b \in [0 .. W -> 0 .. c] : b[0] = 0 /\ b[W] = c /\ \A r \in Ranks : b[r] <= b[r + 1]}
+InitialSplits(c) == [PlanIds(0, c) -> Ranks]
+ShareOf(f, r) == {i \in DOMAIN f : f[i] = r}
 
 \* RankMachine.starved: nothing dealt is left unread, but the plan is not dealt out.
 Starved(r) == Dynamic /\ pending[r] = {} /\ cursor[r] < Len(Plan)
@@ -481,8 +484,8 @@ InitWith(p, c) ==
 \* With AnyInitialSplit the ranks start on any agreed split of the initial prefix.
 Init ==
     IF AnyInitialSplit
-    THEN \E c \in InitialCursors : \E b \in InitialSplits(c) :
-            InitWith([r \in Ranks |-> PlanIds(b[r], b[r + 1])], [r \in Ranks |-> c])
+    THEN \E c \in InitialCursors : \E f \in InitialSplits(c) :
+            InitWith([r \in Ranks |-> ShareOf(f, r)], [r \in Ranks |-> c])
     ELSE InitWith(IF Dynamic THEN [r \in Ranks |-> InitialSlice(r)] ELSE Shard,
                   [r \in Ranks |-> InitialCursor])
 

@@ -53,13 +53,13 @@ Ranks == D!Ranks
 Ids == D!Ids
 vars == D!vars
 
-\* rank-local-initial-split: each rank r starts on its slice of a split s[r] of its
+\* rank-local-initial-split: each rank r starts on its share of a split s[r] of its
 \* own (any of D!InitialSplits), with that split's cursor.
 Init ==
     IF Bug = "rank-local-initial-split"
     THEN \E s \in [Ranks -> UNION {D!InitialSplits(c) : c \in D!InitialCursors}] :
-            D!InitWith([r \in Ranks |-> D!PlanIds(s[r][r], s[r][r + 1])],
-                       [r \in Ranks |-> s[r][W]])
+            D!InitWith([r \in Ranks |-> D!ShareOf(s[r], r)],
+                       [r \in Ranks |-> Cardinality(DOMAIN s[r])])
     ELSE D!Init
 
 Observe(r, i) ==

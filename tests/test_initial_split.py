@@ -3,8 +3,9 @@ split of the initial prefix, and exactly-once, alignment and the bounds hold.
 
 `ModelConfig.any_initial_split` (the spec's `AnyInitialSplit`): the model has one
 initial state per cursor of `initial_cursors` (`assign.initial_cursor` with and
-without a cost table) and per split of `initial_splits` of it (any bounds 0 = b0 <=
-b1 <= ... <= bW = cursor, empty slices included); the checker and TLC (the
+without a cost table) and per split of `initial_splits` of it (any rank for each id
+of the prefix, empty shares included: every placement a table can price, and every
+cut into consecutive slices); the checker and TLC (the
 `MCinitial_split_*` models of spec/manifest.json, whose graphs
 tests/test_conformance.py shows equal) find the properties intact.
 `rank-local-initial-split` (each rank its own split) is caught (tests/test_checker.py,
@@ -17,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 
-from odb_core.assign import initial_cursor, initial_slices
+from odb_core.assign import initial_cursor
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import Budget
 from odb_core.cost_table import CostTable, record
@@ -54,11 +55,11 @@ def _dynamic(
     return replace(dynamic_model(p, costs), any_initial_split=True)
 
 
-def test_initial_splits_are_every_rising_split_of_the_prefix() -> None:
-    assert initial_splits(0, 2) == [(0, 0, 0)]
-    assert initial_splits(2, 2) == [(0, 0, 2), (0, 1, 2), (0, 2, 2)]
-    assert len(initial_splits(3, 3)) == 10  # C(5, 2)
-    assert all(list(b) == sorted(b) and b[0] == 0 and b[-1] == 3 for b in initial_splits(3, 3))
+def test_initial_splits_are_every_rank_for_every_id_of_the_prefix() -> None:
+    assert initial_splits(0, 2) == [()]
+    assert initial_splits(2, 2) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len(initial_splits(3, 3)) == len(set(initial_splits(3, 3))) == 27  # 3^3
+    assert all(len(f) == 3 and set(f) <= {0, 1, 2} for f in initial_splits(3, 3))
     # Cursors: the unpriced one, and the whole plan once W x target >= the plan.
     assert initial_cursors(6, 2, 3) == (2, 6) and initial_cursors(6, 3, 1) == (3,)
 
@@ -94,7 +95,7 @@ def _cursors(cfg: ModelConfig) -> tuple[int, ...]:
 @pytest.mark.parametrize("name", [m.name for m in SPLIT])
 def test_split_models_start_on_every_split_the_prices_can_choose(name: str) -> None:
     """One initial state per (cursor, split); the unpriced start and every split a
-    cost table can price (`assign.initial_slices`, here by a few price functions)
+    cost table can place (`CostTable.placed`, here by a few tables)
     are among them; each state's slices cover the prefix once."""
     cfg = next(m for m in SPLIT if m.name == name).model_config()
     p = cfg.protocol
@@ -105,15 +106,19 @@ def test_split_models_start_on_every_split_the_prices_can_choose(name: str) -> N
     for s in inits:
         (c,) = {r.cursor for r in s.ranks}
         queues = [r.queue for r in s.ranks]
-        assert [i for q in queues for i in q] == list(p.plan[:c])
+        assert sorted(i for q in queues for i in q) == sorted(p.plan[:c])
+        assert all(list(q) == [i for i in p.plan if i in q] for q in queues)  # plan order
         assert s.pending == tuple(frozenset(q) for q in queues)
         starts.add(tuple(queues))
     unpriced = GlobalModel(replace(cfg, any_initial_split=False)).init()
     assert tuple(r.queue for r in unpriced.ranks) in starts
-    for price in (lambda k: k, lambda k: k * k, lambda k: 3 * k + (k > 1)):
-        sl = initial_slices(n, w, p.target, price)
-        assert sl[-1][1] == initial_cursor(n, w, p.target, priced=True)
-        assert tuple(tuple(p.plan[a:b]) for a, b in sl) in starts
+    # Every placement a table can price, the machines' own starts on its placed plan.
+    for costs in ((1,) * n, tuple(range(n)), tuple(range(n, 0, -1)), (9, *(1,) * (n - 1))):
+        table = CostTable(record(dict(enumerate(costs)), n))
+        priced = replace(p, cost_table=table)
+        machines = [RankMachine(r, priced) for r in range(w)]
+        assert {m.cursor for m in machines} == {initial_cursor(n, w, p.target, priced=True)}
+        assert tuple(tuple(m.queue) for m in machines) in starts
 
 
 @pytest.mark.parametrize(

@@ -119,7 +119,8 @@ def test_ok_models_check_everything_with_small_bounds() -> None:
     for m in ok:
         assert set(m.check.invariants) >= set(tlc.SPEC_INVARIANTS)
         assert m.check.properties == ("Termination",) and m.check.deadlock
-        assert m.expect["distinct_states"] < 20_000, "keep the models small"
+        # Three ranks started on any split of a three-id prefix (3^3 starts): 33,477.
+        assert m.expect["distinct_states"] < 35_000, "keep the models small"
 
 
 def test_window_models_cover_both_rules_loss_apart_from_cost_and_quota() -> None:

@@ -186,8 +186,9 @@ class RankSource:
         fresh = (i for i in order if i not in taken)
         self.plan = tuple(i for i in (*carried, *fresh) if i not in excluded)
         # The slice the rank's core starts on: the same function of the same agreed
-        # state (its config's plan is this plan, its table this table).
+        # state (its config's plan is this plan, placed by this table).
         planned = replace(config, plan=self.plan, cost_table=priced)
+        self.plan = planned.plan
         start, stop = initial_slices_of(planned)[self.rank]
         shard = list(self.plan[start:stop])
         assert self.index_sampler is not None

@@ -12,7 +12,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import replace
 
-from odb_core.assign import initial_slices
+from odb_core.assign import initial_cursor, initial_slices, placement
 from odb_core.batch import Batch
 from odb_core.collective import Contribution
 from odb_core.config import Mode, ProtocolConfig, Sharding
@@ -165,16 +165,19 @@ class RankLocalPlacement(RankMachine):
 
 
 class RankLocalInitialSplit(RankMachine):
-    """Dynamic sharding: each rank splits the initial prefix by prices of its own (the
-    last rank by the ids' count, the others by their squares), so the ranks' slices
-    are not one split of the prefix: rank 0 takes more than its agreed slice and some
-    id starts on two ranks (spec/DGAPBugs.tla `rank-local-initial-split`: each rank
-    any split of its own)."""
+    """Dynamic sharding: each rank places the initial prefix by prices of its own (rank
+    0 prices every id alike, a later rank its first id dearer), so the ranks' shares
+    are not one split of the prefix: rank 0 takes two ids where the others' split
+    gives it one, and an id starts on two ranks (spec/DGAPBugs.tla
+    `rank-local-initial-split`: each rank any split of its own)."""
 
     def __init__(self, rank: int, config: ProtocolConfig) -> None:
         super().__init__(rank, config)
         n, w = len(config.plan), config.world_size
-        own = initial_slices(n, w, config.target, lambda k: k * (1 + (w - 1 - rank) * k))
+        c = initial_cursor(n, w, config.target, priced=True)
+        prices = [1 + (rank * c if k == 0 else 0) for k in range(c)]
+        sizes = [len(share) for share in placement(prices, range(c), w)]
+        own = initial_slices(n, w, config.target, sizes)
         start, stop = own[rank]
         self.queue = dict.fromkeys(config.plan[start:stop])
         self.cursor = own[-1][1]

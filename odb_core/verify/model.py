@@ -28,12 +28,13 @@ split instead of the one `assign.deal` prices (proofs/dynamic_sharding.md,
 
 Priced initial shares (`any_initial_split`, the spec's `AnyInitialSplit`): the
 model has one initial state per agreed split of the initial prefix (`inits`): any
-cursor `initial_cursors` gives and any split of `initial_splits` of it, every rank
-starting on its slice of that one split.
+cursor `initial_cursors` gives and any split of `initial_splits` of it (any rank
+for each id of the prefix), every rank starting on its share of that one split.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -230,9 +231,12 @@ class GlobalModel:
         base, p = self._init(), self.protocol
         out = []
         for c in initial_cursors(len(p.plan), self.world, p.target):
-            for b in initial_splits(c, self.world):
+            for f in initial_splits(c, self.world):
                 ranks = tuple(
-                    s._replace(queue=tuple(p.plan[b[r] : b[r + 1]]), cursor=c)
+                    s._replace(
+                        queue=tuple(i for i, q in zip(p.plan[:c], f, strict=True) if q == r),
+                        cursor=c,
+                    )
                     for r, s in enumerate(base.ranks)
                 )
                 pending = tuple(frozenset(s.queue) for s in ranks)
@@ -441,16 +445,11 @@ def initial_cursors(plan_len: int, world: int, target: int) -> tuple[int, ...]:
 
 
 def initial_splits(cursor: int, world: int) -> list[tuple[int, ...]]:
-    """Every split of the initial prefix [0, cursor) into `world` consecutive slices,
-    as bounds 0 = b[0] <= b[1] <= ... <= b[world] = cursor (the spec's
-    InitialSplits(c)): every split a cost table's prices can choose, and more."""
-    return [(0, *inner, cursor) for inner in _rising(world - 1, 0, cursor)]
-
-
-def _rising(n: int, lo: int, hi: int) -> list[tuple[int, ...]]:
-    if n == 0:
-        return [()]
-    return [(a, *rest) for a in range(lo, hi + 1) for rest in _rising(n - 1, a, hi)]
+    """Every split of the initial prefix [0, cursor) between `world` ranks, as the rank
+    each position starts on (the spec's InitialSplits(c), a rank f[i] for every id of
+    the prefix): every placement a cost table's prices can choose
+    (`cost_table.placed`), every cut into consecutive slices, and more."""
+    return list(itertools.product(range(world), repeat=cursor))
 
 
 @cache
