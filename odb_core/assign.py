@@ -88,7 +88,10 @@ def deal_cap(plan_left: int, world: int, steps: int) -> int:
 
 def initial_share(plan_len: int, world: int, target: int) -> int:
     """Ids each rank loads before its first round: `target`, but at most half of
-    an even split, so at least half of the plan is dealt by measured cost."""
+    an even split, so at least half of the plan is dealt by measured cost. The same
+    with the configured target T0 or the deal target (`deal_target`, which is T0
+    bounded below by half of it and above by no less than the half split); the
+    functions below take T0, the spec's `Target`."""
     return max(1, min(target, plan_len // (2 * world)))
 
 
@@ -100,8 +103,12 @@ def initial_slice(rank: int, plan_len: int, world: int, target: int) -> tuple[in
 
 def initial_cursor(plan_len: int, world: int, target: int, priced: bool = False) -> int:
     """The first plan position not dealt by the initial shares; `priced`: a learned
-    cost table prices them (`initial_slices`), which deals the whole plan up front
-    when one round would deal all the rest of it anyway (`world * target >= plan_len`)."""
+    cost table places them (`placement`), which deals the whole plan up front when
+    a rank's share of it fits its configured target `target` (the window unless set:
+    `world * target >= plan_len`). Held back, those ids would come in rounds of
+    about the same size to ranks that wait for each round's ids to be read and form
+    their one window in parts; placed at once, a rank reads its share as one stream
+    and forms it once (docs/SIMULATOR.md, "The cost table learned online")."""
     if priced and world * target >= plan_len:
         return plan_len
     return min(world * initial_share(plan_len, world, target), plan_len)
@@ -122,11 +129,9 @@ def initial_slices(
     With a learned cost table the plan's prefix is placed first (`placement`, through
     `cost_table.placed`): reordered so that each rank's priced share of it is one run
     of the plan, and `sizes` are the runs' lengths, in rank order. The prefix is then
-    the whole plan when one round would deal all the rest of it anyway (`world *
-    target >= plan_len`: the first round's starved ranks want more than is left), so
-    no round waits for the first half to be read before the rest is dealt
-    (docs/SIMULATOR.md, "The cost table learned online"). D1 and D2 need only that
-    every rank computes the same slices (proofs/dynamic_sharding.md, "Pricing").
+    the whole plan when a rank's share of it fits the configured target (`world *
+    target >= plan_len`, `initial_cursor`). D1 and D2 need only that every rank
+    computes the same slices (proofs/dynamic_sharding.md, "Pricing").
     """
     if sizes is None:
         return tuple(initial_slice(r, plan_len, world, target) for r in range(world))

@@ -213,7 +213,7 @@ class ProtocolConfig:
         if self.cost_table is not None and self.plan:
             # The initial shares by the table's prices (`CostTable.placed`): agreed
             # state, and a fixed point, so every rank's config holds the same plan.
-            placed, _ = self.cost_table.placed(self.plan, self.world_size, self.target)
+            placed, _ = self.cost_table.placed(self.plan, self.world_size, self.configured_target)
             object.__setattr__(self, "plan", placed)
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"deterministic={self.deterministic!r} must be a bool")

@@ -124,12 +124,13 @@ def initial_slices_of(config: ProtocolConfig) -> tuple[tuple[int, int], ...]:
     """Dynamic sharding: every rank's initial plan slice, `assign.initial_slices` of
     the config's plan, world, target and cost table (agreed state). The loader's
     rank source reads its slice from the same function (`torch/rank_source.py`)."""
-    plan, table, key = config.plan, config.cost_table, (config.world_size, config.target)
+    plan, table = config.plan, config.cost_table
+    key = (config.world_size, config.configured_target)
     cached = _INITIAL[0]
     if cached and cached[0] is plan and cached[1] is table and cached[2] == key:
         return cached[3]  # type: ignore[no-any-return]
     sizes = None if table is None else table.placed(plan, *key)[1]
-    out = initial_slices(len(plan), config.world_size, config.target, sizes)
+    out = initial_slices(len(plan), config.world_size, config.configured_target, sizes)
     _INITIAL[0] = (plan, table, key, out)
     return out
 

@@ -338,7 +338,7 @@ class _OdbEpoch:
         sb, rb = steps_bound(samples_per_rank), rounds_bound(samples_per_rank)
         if self.dynamic:
             priced = self.protocol.cost_table is not None
-            sb, rb = dynamic_bounds(run.cols.n, w, self.protocol.target, priced)
+            sb, rb = dynamic_bounds(run.cols.n, w, self.protocol.configured_target, priced)
         out.update(
             {
                 "rounds": self.rounds,

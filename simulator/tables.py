@@ -102,7 +102,11 @@ def format_run(run: dict[str, Any]) -> str:
             f"odb/gmt {odb_r.get('vs_gmt')}"
             + (f", odb/gmt-safe {safe_r}" if safe_r is not None else "")
             + f", tail {e['tail_steps'].get('odb')} steps"
-            + (", deals priced by the learned cost table" if e["priced"].get("odb") else "")
+            + (
+                ", shares and deals priced by the learned cost table"
+                if e["priced"].get("odb")
+                else ""
+            )
         )
     perf = run.get("perf", {})
     if "odb" in perf:

@@ -241,8 +241,8 @@ InitialCursor == IF Dynamic THEN Min2(W * InitialShare, Len(Plan)) ELSE 0
 \* Priced initial shares (cost_table.placed, issue 32): a learned table places the
 \* prefix [0, c) (assign.placement: each id to the rank of least priced work so
 \* far) and reorders it so that every rank's share is one run of the plan; c is
-\* assign.initial_cursor (priced or not): the whole plan when one round would deal
-\* all the rest anyway (W * DealTarget >= Len(Plan)). Safety uses only that every
+\* assign.initial_cursor (priced or not): the whole plan when a rank's share of it
+\* fits the configured target (W * Target >= Len(Plan)). Safety uses only that every
 \* rank computes the same shares from agreed state (proofs/dynamic_sharding.md,
 \* "Pricing"), so with AnyInitialSplit Init picks any c of InitialCursors and any
 \* split of InitialSplits(c): a rank f[i] for every id i of the prefix, rank r
@@ -250,7 +250,7 @@ InitialCursor == IF Dynamic THEN Min2(W * InitialShare, Len(Plan)) ELSE 0
 \* them, and so is any cut of it into consecutive slices (the unpriced start).
 \* (The Python placement gives each rank an id when c >= W; these splits need not.)
 InitialCursors ==
-    {InitialCursor, IF W * DealTarget >= Len(Plan) THEN Len(Plan) ELSE InitialCursor}
+    {InitialCursor, IF W * Target >= Len(Plan) THEN Len(Plan) ELSE InitialCursor}
 InitialSplits(c) == [PlanIds(0, c) -> Ranks]
 ShareOf(f, r) == {i \in DOMAIN f : f[i] = r}
 

@@ -1,7 +1,7 @@
 """The initial slices of dynamic sharding (`assign.initial_slices`): without a table
 the equal-count shares, bit for bit; with a learned cost table, the prefix placed by
 list scheduling (`assign.placement`, `CostTable.placed`) so that every rank starts on
-about equal priced work, the whole plan when one round would deal all the rest, and
+about equal priced work, the whole plan when a rank's share of it fits the target, and
 the same on every rank (issue 32)."""
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def test_a_config_with_a_table_holds_the_placed_plan_and_keeps_it() -> None:
     # a `replace`, a fresh table of the same codes) holds the very same plan.
     costs = [9, 9, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1]
     cfg = _config(costs, 2, 3)
-    placed, _ = cfg.cost_table.placed(tuple(range(12)), 2, cfg.target)  # type: ignore[union-attr]
+    placed, _ = cfg.cost_table.placed(tuple(range(12)), 2, cfg.configured_target)  # type: ignore[union-attr]
     assert cfg.plan == placed == (0, 2, 1, 3, 4, 5, *range(6, 12))
     assert replace(cfg, max_steps_per_round=3).plan == cfg.plan
     fresh = CostTable(record(dict(enumerate(costs)), 12))
@@ -215,10 +215,10 @@ class RankLocalInitialSlices(RankMachine):
     def __init__(self, rank: int, config: ProtocolConfig) -> None:
         super().__init__(rank, config)
         n, w = len(config.plan), config.world_size
-        c = initial_cursor(n, w, config.target, priced=True)
+        c = initial_cursor(n, w, config.configured_target, priced=True)
         prices = [1 + (rank * c if k == 0 else 0) for k in range(c)]
         sizes = [len(share) for share in placement(prices, range(c), w)]
-        start, stop = initial_slices(n, w, config.target, sizes)[rank]
+        start, stop = initial_slices(n, w, config.configured_target, sizes)[rank]
         self.queue = dict.fromkeys(config.plan[start:stop])
 
 
@@ -226,7 +226,7 @@ def test_initial_slices_from_anything_but_agreed_state_are_caught() -> None:
     # 8 ids on 2 ranks, window 3: the target is 2 and the priced prefix half the plan.
     costs = (1, 3, 1, 1, 3, 1, 2, 1)
     cfg = _config(costs, 2, 3)
-    assert initial_cursor(8, 2, cfg.target, priced=True) == 4
+    assert initial_cursor(8, 2, cfg.configured_target, priced=True) == 4
     assert check(dynamic_model(cfg, costs)).ok
     r = check(dynamic_model(cfg, costs, machine=RankLocalInitialSlices))
     assert not r.ok and {"NoLoss", "NoDuplicate"} & {v.property for v in r.violations}
@@ -237,7 +237,7 @@ def test_a_plan_dealt_whole_up_front_keeps_exactly_once_and_the_bound() -> None:
     # all of them up front (without it, one id a rank).
     costs = (3, 1, 1, 2)
     cfg = _config(costs, 2, 3)
-    assert initial_cursor(4, 2, cfg.target) == 2
-    assert initial_cursor(4, 2, cfg.target, priced=True) == 4
+    assert initial_cursor(4, 2, cfg.configured_target) == 2
+    assert initial_cursor(4, 2, cfg.configured_target, priced=True) == 4
     r = check(dynamic_model(cfg, costs))
     assert r.ok, [v.to_json() for v in r.violations]

@@ -89,7 +89,7 @@ def test_split_models_cover_both_modes_world_sizes_and_placement() -> None:
 
 def _cursors(cfg: ModelConfig) -> tuple[int, ...]:
     p = cfg.protocol
-    return initial_cursors(len(p.plan), p.world_size, p.target)
+    return initial_cursors(len(p.plan), p.world_size, p.configured_target)
 
 
 @pytest.mark.parametrize("name", [m.name for m in SPLIT])
@@ -117,7 +117,9 @@ def test_split_models_start_on_every_split_the_prices_can_choose(name: str) -> N
         table = CostTable(record(dict(enumerate(costs)), n))
         priced = replace(p, cost_table=table)
         machines = [RankMachine(r, priced) for r in range(w)]
-        assert {m.cursor for m in machines} == {initial_cursor(n, w, p.target, priced=True)}
+        assert {m.cursor for m in machines} == {
+            initial_cursor(n, w, p.configured_target, priced=True)
+        }
         assert tuple(tuple(m.queue) for m in machines) in starts
 
 

@@ -35,7 +35,7 @@ from test_tlc import require_tlc  # noqa: E402
 from thread_ranks import on_ranks, to_the_end, until  # noqa: E402
 
 from odb_core import ODBDataLoader  # noqa: E402
-from odb_core.assign import deal_target, initial_cursor  # noqa: E402
+from odb_core.assign import initial_cursor  # noqa: E402
 from odb_core.errors import ConfigError  # noqa: E402
 from odb_core.step import StepInfo  # noqa: E402
 from odb_core.verify.tlc.trace_check import validate_trace_tlc  # noqa: E402
@@ -53,7 +53,7 @@ def assert_dealt_first(plan: tuple[int, ...], carried: tuple[int, ...], world: i
     are all among the first max(initial cursor, len(carried)) and, on one rank,
     exactly the first."""
     n = len(plan)
-    cursor = initial_cursor(n, world, deal_target(n, world, DYN["buffer_size"]), priced=True)
+    cursor = initial_cursor(n, world, DYN["buffer_size"], priced=True)
     assert set(carried) <= set(plan[: max(cursor, len(carried))])
     if world == 1:
         assert plan[: len(carried)] == carried

@@ -174,10 +174,10 @@ class RankLocalInitialSplit(RankMachine):
     def __init__(self, rank: int, config: ProtocolConfig) -> None:
         super().__init__(rank, config)
         n, w = len(config.plan), config.world_size
-        c = initial_cursor(n, w, config.target, priced=True)
+        c = initial_cursor(n, w, config.configured_target, priced=True)
         prices = [1 + (rank * c if k == 0 else 0) for k in range(c)]
         sizes = [len(share) for share in placement(prices, range(c), w)]
-        own = initial_slices(n, w, config.target, sizes)
+        own = initial_slices(n, w, config.configured_target, sizes)
         start, stop = own[rank]
         self.queue = dict.fromkeys(config.plan[start:stop])
         self.cursor = own[-1][1]

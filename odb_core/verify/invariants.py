@@ -239,7 +239,9 @@ def epoch_bounds(cfg: ModelConfig) -> tuple[int, int]:
     per_rank = cfg.samples_per_rank
     if cfg.protocol.dynamic:
         p = cfg.protocol
-        return dynamic_bounds(cfg.n_samples, p.world_size, p.target, p.cost_table is not None)
+        return dynamic_bounds(
+            cfg.n_samples, p.world_size, p.configured_target, p.cost_table is not None
+        )
     if cfg.protocol.mode is Mode.QUOTA:
         return min(per_rank, default=0), min(per_rank, default=0) + 1
     return steps_bound(per_rank), rounds_bound(per_rank)

@@ -230,7 +230,7 @@ class GlobalModel:
             return [self._init()]
         base, p = self._init(), self.protocol
         out = []
-        for c in initial_cursors(len(p.plan), self.world, p.target):
+        for c in initial_cursors(len(p.plan), self.world, p.configured_target):
             for f in initial_splits(c, self.world):
                 ranks = tuple(
                     s._replace(

@@ -156,7 +156,9 @@ class _Driver:
         if cfg.dynamic:
             # A rank's source is what the core deals it, in order.
             self.pending = [[self.by_id[i] for i in reversed(m.queue)] for m in self.machines]
-            out.steps_bound, out.rounds_bound = dynamic_bounds(len(cfg.plan), world, cfg.target)
+            out.steps_bound, out.rounds_bound = dynamic_bounds(
+                len(cfg.plan), world, cfg.configured_target
+            )
         n = sched.n
         self.delivered = [0] * n
         self.carried: set[int] = set()
