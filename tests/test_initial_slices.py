@@ -207,6 +207,20 @@ def test_a_config_with_a_table_holds_the_placed_plan_and_keeps_it() -> None:
     assert replace(cfg, plan=tuple(range(12)), cost_table=None).plan == tuple(range(12))
 
 
+def test_the_whole_plan_is_placed_up_front_when_a_share_fits_the_configured_target() -> None:
+    # Six ids on two ranks, window 3: a share of the whole plan (3) fits the window,
+    # though the deal target is 2 (the half split bounds it) and 2 x 2 < 6.
+    cfg = _config([5, 1, 1, 4, 1, 1], 2, 3)
+    assert (cfg.target, cfg.configured_target) == (2, 3)
+    assert initial_cursor(6, 2, cfg.target, priced=True) == 2
+    machines = [RankMachine(r, cfg) for r in range(2)]
+    assert {m.cursor for m in machines} == {6}
+    assert sorted(i for m in machines for i in m.queue) == list(range(6))
+    # One id more and a share no longer fits: the unpriced prefix, one id a rank.
+    cfg7 = _config([5, 1, 1, 4, 1, 1, 1], 2, 3)
+    assert {RankMachine(r, cfg7).cursor for r in range(2)} == {2}
+
+
 class RankLocalInitialSlices(RankMachine):
     """Broken: each rank places the initial prefix by prices of its own (rank 0 all
     alike, rank 1 its first id dearer), so the ranks' shares are not one split of
