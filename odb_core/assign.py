@@ -4,7 +4,7 @@ With `Sharding.DYNAMIC` no rank owns a fixed 1/W of the epoch. The epoch has one
 plan (an ordered tuple of sample ids, the same on every rank). Each rank starts
 with a contiguous `initial_share` of it (with a learned cost table, the plan's
 prefix placed by price so that every rank starts on about equal priced work:
-`placement`, `initial_slices`); after that, every round's all-gather
+`priced_shares`, `initial_slices`); after that, every round's all-gather
 carries what each rank holds (`Contribution.unread`, `.held`, `.held_work`), and
 every rank deals the next plan positions with the same pure `deal`, so all ranks
 agree on who loads which id without a further collective, and no sample ever
@@ -103,7 +103,7 @@ def initial_slice(rank: int, plan_len: int, world: int, target: int) -> tuple[in
 
 def initial_cursor(plan_len: int, world: int, target: int, priced: bool = False) -> int:
     """The first plan position not dealt by the initial shares; `priced`: a learned
-    cost table places them (`placement`), which deals the whole plan up front when
+    cost table places them (`priced_shares`), which deals the whole plan up front when
     a rank's share of it fits its configured target `target` (the window unless set:
     `world * target >= plan_len`). Held back, those ids would come in rounds of
     about the same size to ranks that wait for each round's ids to be read and form
@@ -126,7 +126,7 @@ def initial_slices(
 
     Without a table (`sizes` None): `initial_share` ids a rank (`initial_slice`).
 
-    With a learned cost table the plan's prefix is placed first (`placement`, through
+    With a learned cost table the plan's prefix is placed first (`priced_shares`, through
     `cost_table.placed`): reordered so that each rank's priced share of it is one run
     of the plan, and `sizes` are the runs' lengths, in rank order. The prefix is then
     the whole plan when a rank's share of it fits the configured target (`world *
@@ -147,7 +147,7 @@ def initial_slices(
     return tuple(out)
 
 
-def placement(
+def priced_shares(
     prices: Sequence[int], keys: Sequence[int], world: int
 ) -> tuple[tuple[int, ...], ...]:
     """The ranks' shares of a priced plan prefix: positions 0..len-1, in rank order,

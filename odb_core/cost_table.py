@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from odb_core.assign import initial_cursor, placement
+from odb_core.assign import initial_cursor, priced_shares
 from odb_core.errors import ResumeStateError
 
 UNSEEN = 0
@@ -155,7 +155,7 @@ class CostTable:
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The plan with its initial prefix placed, and the ranks' share sizes: the
         prefix `assign.initial_cursor(..., priced=True)` reordered so that each rank's
-        share (`assign.placement` by this table's prices, unseen ids at the mean of
+        share (`assign.priced_shares` by this table's prices, unseen ids at the mean of
         the seen ones, as `priced_prefix`) is one run, in rank order; the rest of the
         plan as it was. The same ids are dealt up front whatever the prices, and a
         placed plan places to itself (`ProtocolConfig` places every plan it is given
@@ -175,7 +175,7 @@ class CostTable:
         for i in head:
             code = codes[i] if 0 <= i < n else UNSEEN
             prices.append(mean if code == UNSEEN else dec[code])
-        shares = placement(prices, head, world)
+        shares = priced_shares(prices, head, world)
         out = (*(head[k] for share in shares for k in share), *plan[c:])
         sizes = tuple(len(share) for share in shares)
         if out == plan:

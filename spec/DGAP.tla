@@ -239,7 +239,7 @@ InitialSlice(r) ==
     PlanIds(Min2(r * InitialShare, Len(Plan)), Min2((r + 1) * InitialShare, Len(Plan)))
 InitialCursor == IF Dynamic THEN Min2(W * InitialShare, Len(Plan)) ELSE 0
 \* Priced initial shares (cost_table.placed, issue 32): a learned table places the
-\* prefix [0, c) (assign.placement: each id to the rank of least priced work so
+\* prefix [0, c) (assign.priced_shares: each id to the rank of least priced work so
 \* far) and reorders it so that every rank's share is one run of the plan; c is
 \* assign.initial_cursor (priced or not): the whole plan when a rank's share of it
 \* fits the configured target (W * Target >= Len(Plan)). Safety uses only that every

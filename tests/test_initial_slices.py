@@ -1,6 +1,6 @@
 """The initial slices of dynamic sharding (`assign.initial_slices`): without a table
 the equal-count shares, bit for bit; with a learned cost table, the prefix placed by
-list scheduling (`assign.placement`, `CostTable.placed`) so that every rank starts on
+list scheduling (`assign.priced_shares`, `CostTable.placed`) so that every rank starts on
 about equal priced work, the whole plan when a rank's share of it fits the target, and
 the same on every rank (issue 32)."""
 
@@ -19,7 +19,7 @@ from odb_core.assign import (
     initial_cursor,
     initial_slice,
     initial_slices,
-    placement,
+    priced_shares,
 )
 from odb_core.config import Mode, ProtocolConfig, Sharding
 from odb_core.cost import Budget
@@ -154,14 +154,14 @@ def test_dear_neighbours_overrun_any_consecutive_cut_but_not_the_placement() -> 
     assert work == [60, 60, 60, 60]
 
 
-def test_placement_is_list_scheduling_and_checks_its_input() -> None:
+def test_priced_shares_are_list_scheduling_and_checks_its_input() -> None:
     # 5 to rank 0, 4 and 3 to rank 1 (7), 2 to rank 0 (7), 1 to the tie's fewer ids,
     # then the lower rank: rank 0.
-    assert placement([5, 1, 4, 2, 3], [0, 1, 2, 3, 4], 2) == ((0, 1, 3), (2, 4))
-    assert placement([0, 0, 0], [2, 1, 0], 3) == ((2,), (1,), (0,))
-    assert placement([], [], 3) == ((), (), ())
+    assert priced_shares([5, 1, 4, 2, 3], [0, 1, 2, 3, 4], 2) == ((0, 1, 3), (2, 4))
+    assert priced_shares([0, 0, 0], [2, 1, 0], 3) == ((2,), (1,), (0,))
+    assert priced_shares([], [], 3) == ((), (), ())
     with pytest.raises(ValueError, match="2 prices for 3 keys"):
-        placement([1, 2], [0, 1, 2], 2)
+        priced_shares([1, 2], [0, 1, 2], 2)
     with pytest.raises(ValueError, match="do not split 4 plan positions over 2 ranks"):
         initial_slices(4, 2, 2, (1, 2))
 
@@ -231,7 +231,7 @@ class RankLocalInitialSlices(RankMachine):
         n, w = len(config.plan), config.world_size
         c = initial_cursor(n, w, config.configured_target, priced=True)
         prices = [1 + (rank * c if k == 0 else 0) for k in range(c)]
-        sizes = [len(share) for share in placement(prices, range(c), w)]
+        sizes = [len(share) for share in priced_shares(prices, range(c), w)]
         start, stop = initial_slices(n, w, config.configured_target, sizes)[rank]
         self.queue = dict.fromkeys(config.plan[start:stop])
 

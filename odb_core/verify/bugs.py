@@ -12,7 +12,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import replace
 
-from odb_core.assign import initial_cursor, initial_slices, placement
+from odb_core.assign import initial_cursor, initial_slices, priced_shares
 from odb_core.batch import Batch
 from odb_core.collective import Contribution
 from odb_core.config import Mode, ProtocolConfig, Sharding
@@ -176,7 +176,7 @@ class RankLocalInitialSplit(RankMachine):
         n, w = len(config.plan), config.world_size
         c = initial_cursor(n, w, config.configured_target, priced=True)
         prices = [1 + (rank * c if k == 0 else 0) for k in range(c)]
-        sizes = [len(share) for share in placement(prices, range(c), w)]
+        sizes = [len(share) for share in priced_shares(prices, range(c), w)]
         own = initial_slices(n, w, config.configured_target, sizes)
         start, stop = own[rank]
         self.queue = dict.fromkeys(config.plan[start:stop])
