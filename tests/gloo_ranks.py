@@ -35,7 +35,7 @@ def set_rank_env(rank: int, world: int, port: int, **extra: str) -> None:
 
 
 def _entry(rank: int, world: int, port: int, target: str, spec: dict[str, Any], out: str) -> None:
-    init_local_gloo(rank, world, port, timeout_s=60)
+    init_local_gloo(rank, world, port, timeout_s=HANG_GUARD_S)
     module, name = target.split(":")
     try:
         result = {"ok": True, **getattr(importlib.import_module(module), name)(rank, world, spec)}

@@ -76,9 +76,7 @@ class Remap:
 
 def make(n: int, **kw: Any) -> ODBDataLoader:
     kw.setdefault("token_budget", 48)
-    return ODBDataLoader(
-        Items(n), buffer_size=8, max_steps_per_round=4, collate_fn=collate, peer_timeout=30, **kw
-    )
+    return ODBDataLoader(Items(n), buffer_size=8, max_steps_per_round=4, collate_fn=collate, **kw)
 
 
 def epoch(dl: ODBDataLoader) -> dict[str, Any]:

@@ -98,7 +98,6 @@ def make_loader(case: str, rank: int, world: int) -> ODBDataLoader:
         deterministic=True,
         buffer_size=8,
         max_steps_per_round=4,
-        peer_timeout=60,
         **opts,
     )
 

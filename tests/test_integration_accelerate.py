@@ -69,7 +69,6 @@ COMMON = {
     "deterministic": True,
     "buffer_size": 16,
     "max_steps_per_round": 4,
-    "peer_timeout": 60,
     "num_workers": 0,
 }
 
@@ -314,7 +313,7 @@ def run_bad_input(accelerator: Any) -> dict[str, str]:
 def _rank_entry(rank: int, world: int, port: int, out: str, phase: str, ckpt: str) -> None:
     set_rank_env(rank, world, port, OMP_NUM_THREADS="1")
     try:
-        init_local_gloo(rank, world, port, timeout_s=120)
+        init_local_gloo(rank, world, port, timeout_s=HANG_GUARD_S)
         from accelerate import Accelerator
 
         accelerator = Accelerator(cpu=True)
@@ -351,7 +350,9 @@ def _rank_entry(rank: int, world: int, port: int, out: str, phase: str, ckpt: st
 # ---- the launch and the reference -------------------------------------------------------
 
 
-def launch(out: Path, phase: str, ckpt: Path, timeout: float = 180) -> list[dict[str, Any]]:
+def launch(
+    out: Path, phase: str, ckpt: Path, timeout: float = HANG_GUARD_S
+) -> list[dict[str, Any]]:
     return launch_entry(_rank_entry, WORLD, out, phase, str(ckpt), timeout=timeout)
 
 

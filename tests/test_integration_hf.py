@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guards import run_script
+from guards import HANG_GUARD_S, run_script
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -137,7 +137,6 @@ COMMON_ODB = {
     "deterministic": True,
     "buffer_size": 16,
     "max_steps_per_round": 4,
-    "peer_timeout": 60,
 }
 
 
@@ -244,7 +243,7 @@ def _checkpoint_inside(windows: list[dict[str, Any]], epoch: int, every: int) ->
 
 def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
     set_rank_env(rank, world, port, OMP_NUM_THREADS="1")
-    init_local_gloo(rank, world, port, timeout_s=120)
+    init_local_gloo(rank, world, port, timeout_s=HANG_GUARD_S)
     warnings.simplefilter("ignore")
     try:
         root = Path(out)
@@ -285,7 +284,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
     os._exit(0)
 
 
-def launch(out: Path, timeout: float = 240) -> list[dict[str, Any]]:
+def launch(out: Path, timeout: float = HANG_GUARD_S) -> list[dict[str, Any]]:
     return launch_entry(_rank_entry, WORLD, out, timeout=timeout)
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guards import run_script
+from guards import HANG_GUARD_S, run_script
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -81,7 +81,7 @@ TOL = 1e-6
 WRONG = 1e-4
 RESUME_AT = 2  # optimizer steps before the checkpoint of the resume case
 
-COMMON = {"deterministic": True, "buffer_size": 16, "max_steps_per_round": 4, "peer_timeout": 60}
+COMMON = {"deterministic": True, "buffer_size": 16, "max_steps_per_round": 4}
 
 CASES: dict[str, dict[str, Any]] = {
     "epochs": {
@@ -383,7 +383,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
         }
     )
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    init_local_gloo(rank, world, port, timeout_s=120)
+    init_local_gloo(rank, world, port, timeout_s=HANG_GUARD_S)
     try:
         root = Path(out)
         result: dict[str, Any] = {"times": {}}
@@ -424,7 +424,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
     os._exit(0)
 
 
-def launch(out: Path, timeout: float = 240) -> list[dict[str, Any]]:
+def launch(out: Path, timeout: float = HANG_GUARD_S) -> list[dict[str, Any]]:
     return launch_entry(_rank_entry, WORLD, out, timeout=timeout)
 
 

@@ -46,6 +46,7 @@ pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from gloo_ranks import launch_entry, set_rank_env  # noqa: E402
+from guards import HANG_GUARD_S  # noqa: E402
 from sft_support import MODELS, Reference, flat_grad, rel_l2, tiny_llama  # noqa: E402
 from trainer_windows import WindowRecorder  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
@@ -211,7 +212,6 @@ COMMON_ODB = {
     "deterministic": True,
     "buffer_size": 16,
     "max_steps_per_round": 4,
-    "peer_timeout": 60,
 }
 
 
@@ -245,7 +245,7 @@ def make_trainer(name: str, out: Path, **extra: Any) -> tuple[Any, WindowRecorde
 
 def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
     set_rank_env(rank, world, port, OMP_NUM_THREADS="1")
-    init_local_gloo(rank, world, port, timeout_s=120)
+    init_local_gloo(rank, world, port, timeout_s=HANG_GUARD_S)
     warnings.simplefilter("ignore")
     try:
         result: dict[str, Any] = {}
@@ -275,7 +275,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
     os._exit(0)
 
 
-def launch(out: Path, timeout: float = 240) -> list[dict[str, Any]]:
+def launch(out: Path, timeout: float = HANG_GUARD_S) -> list[dict[str, Any]]:
     return launch_entry(_rank_entry, WORLD, out, timeout=timeout)
 
 

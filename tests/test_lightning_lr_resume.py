@@ -73,7 +73,6 @@ LOADER = {
     "deterministic": True,
     "buffer_size": 16,
     "max_steps_per_round": 4,
-    "peer_timeout": 60,
     "cost_model": "padded",
     "token_budget": 160,
     "shuffle": True,

@@ -25,7 +25,7 @@ from odb_core.torch.checkpoint import (  # noqa: E402
 )
 from odb_core.torch.meta import zero_if_unweighted  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.torch]
 
 
 class Text(Dataset[dict[str, Any]]):

@@ -35,7 +35,6 @@ def _loader(G: int) -> ODBDataLoader:
         shuffle=True,
         seed=3,
         grad_accum_steps=G,
-        peer_timeout=60,
     )
 
 

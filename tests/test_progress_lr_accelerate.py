@@ -78,7 +78,6 @@ def _run(
         cost_model="padded",
         shuffle=True,
         seed=3,
-        peer_timeout=60,
         **case["loader"],
     )
     train = prepare_odb_loader(accelerator, loader)

@@ -53,7 +53,6 @@ def make_loader(spec: dict[str, Any]) -> ODBDataLoader:
         quota=QUOTA,
         shuffle=True,
         sharding="dynamic",
-        peer_timeout=30,
         trace_dir=Path(spec["dir"], "traces"),
     )
 

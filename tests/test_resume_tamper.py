@@ -315,7 +315,6 @@ def _gloo_loader(**kw: Any) -> ODBDataLoader:
         buffer_size=8,
         max_steps_per_round=4,
         collate_fn=collate,
-        peer_timeout=30,
         sharding="static",  # per-rank states (above)
         **kw,
     )

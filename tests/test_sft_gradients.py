@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guards import run_script
+from guards import HANG_GUARD_S, run_script
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -77,7 +77,6 @@ COMMON = {
     "deterministic": True,
     "buffer_size": 16,
     "max_steps_per_round": 4,
-    "peer_timeout": 60,
     "num_workers": 0,
 }
 
@@ -193,7 +192,7 @@ def train_case(model: DistributedDataParallel, rank: int, case: dict[str, Any]) 
 
 
 def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
-    init_local_gloo(rank, world, port, timeout_s=120)
+    init_local_gloo(rank, world, port, timeout_s=HANG_GUARD_S)
     try:
         models = {kind: DistributedDataParallel(build(seed=0)) for kind, build in MODELS.items()}
         result: dict[str, Any] = {"times": {}}
@@ -211,7 +210,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
 # ---- the launch and the reference -------------------------------------------------------
 
 
-def launch(out: Path, timeout: float = 240) -> list[dict[str, Any]]:
+def launch(out: Path, timeout: float = HANG_GUARD_S) -> list[dict[str, Any]]:
     return launch_entry(_rank_entry, WORLD, out, timeout=timeout)
 
 

@@ -91,7 +91,6 @@ def make_loader(rank: int, world: int, spec: dict[str, Any]) -> ODBDataLoader:
     kw.setdefault("token_budget", 64)
     kw.setdefault("buffer_size", 8)
     kw.setdefault("max_steps_per_round", 4)
-    kw.setdefault("peer_timeout", 30)
     if spec.get("iterable"):
         ds: Any = Stream(spec["n"], spec.get("delay", 0.0))
     elif spec.get("chat"):

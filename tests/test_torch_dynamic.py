@@ -54,7 +54,6 @@ def make_loader(spec: dict[str, Any]) -> ODBDataLoader:
         token_budget=64,
         buffer_size=8,
         max_steps_per_round=4,
-        peer_timeout=30,
         sharding=spec["sharding"],
         num_workers=spec.get("workers", 0),
     )

@@ -78,7 +78,6 @@ def run_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         multiprocessing_context="fork",
         samples_per_fetch=1,
         trace_dir=spec["trace_dir"],
-        peer_timeout=120,
     )
     steps, pads, ids = [], 0, []
     for batch in loader:

@@ -121,7 +121,6 @@ def run_cases(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             "deterministic": True,
             "buffer_size": 8,
             "max_steps_per_round": 4,
-            "peer_timeout": 60,
             "num_workers": 0,
             **case.get("loader", {}),
         }

@@ -42,6 +42,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from gloo_ranks import launch_entry, set_rank_env  # noqa: E402
+from guards import HANG_GUARD_S  # noqa: E402
 from sft_support import Reference, flat_grad, loss_tokens, rel_l2  # noqa: E402
 from trainer_windows import WindowRecorder  # noqa: E402
 from vlm_fixtures import (  # noqa: E402
@@ -79,7 +80,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 for _name in ("packed_g2", "padded_g1"):
     SCENARIOS[f"lora_{_name}"] = {**SCENARIOS[_name], "lora": True}
 
-COMMON_ODB = {"deterministic": True, "buffer_size": 8, "max_steps_per_round": 4, "peer_timeout": 60}
+COMMON_ODB = {"deterministic": True, "buffer_size": 8, "max_steps_per_round": 4}
 
 
 def dataset(name: str) -> VLMSet:
@@ -152,7 +153,7 @@ def run(name: str, out: Path) -> dict[str, Any]:
 
 def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
     set_rank_env(rank, world, port, OMP_NUM_THREADS="1")
-    init_local_gloo(rank, world, port, timeout_s=120)
+    init_local_gloo(rank, world, port, timeout_s=HANG_GUARD_S)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     try:
@@ -171,7 +172,7 @@ def _rank_entry(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
-    out = launch_entry(_rank_entry, WORLD, tmp_path_factory.mktemp("vlm_hf"), timeout=300)
+    out = launch_entry(_rank_entry, WORLD, tmp_path_factory.mktemp("vlm_hf"), timeout=HANG_GUARD_S)
     times = {k: round(v["time"], 1) for k, v in out[0].items()}
     print(f"\nvlm hf launch {time.perf_counter() - t0:.1f}s; per run {times}")
     return out

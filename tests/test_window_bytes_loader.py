@@ -80,7 +80,6 @@ def run_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         multiprocessing_context="fork",
         samples_per_fetch=FETCH,
         trace_dir=spec["trace_dir"],
-        peer_timeout=120,
     )
     steps, ids = [], []
     for batch in loader:

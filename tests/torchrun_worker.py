@@ -49,9 +49,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     ds = [{"input_ids": list(range(1 + (i * 7) % 13))} for i in range(a.samples)]
-    loader = ODBDataLoader(
-        ds, token_budget=24, collate_fn=collate, num_workers=a.workers, peer_timeout=30
-    )
+    loader = ODBDataLoader(ds, token_budget=24, collate_fn=collate, num_workers=a.workers)
     done = sorted(d for d in glob.glob(f"{a.out}/ckpt/*") if _complete(d))
     if done:
         d = done[-1]
