@@ -58,6 +58,32 @@ def test_the_mix_is_deterministic_per_seed() -> None:
     ]
 
 
+def test_the_pretraining_mix_changes_only_the_answers_rule() -> None:
+    """The fine-tuning regime's first training: the same kinds, images, questions
+    and colour words as the fine-tuning mix of that seed, the answers under
+    another rule; the default rule is the one the bench always had (5)."""
+    from odb_core.bench.vlm_data import MixParams, raw_sample
+    from odb_core.bench.vlm_workload import VLMWorkload
+
+    pre = VLMWorkload("tiny", 1024).pretrain_dataset(40, 3)
+    fine = VLMSFT(40, 1024, 3)
+    assert [r.answer for r in fine.raw] == [
+        raw_sample(3, i, MixParams(answer_rule=5)).answer for i in range(40)
+    ]
+    differ = 0
+    for a, b in zip(pre.raw, fine.raw, strict=True):
+        assert (a.kind, a.images, a.colours, a.question) == (
+            b.kind,
+            b.images,
+            b.colours,
+            b.question,
+        )
+        x, y = a.answer.split(), b.answer.split()
+        assert len(x) == len(y) and x[: len(a.colours) + 1] == y[: len(b.colours) + 1]
+        differ += x != y
+    assert differ >= 20  # every answer past its first rule word follows the other rule
+
+
 def test_visual_tokens_follow_image_size() -> None:
     ds = VLMSFT(1, 1024, 0)
     # 16 px patches merged 2 x 2: one token per 32 x 32 px, sides rounded to 32
@@ -99,7 +125,7 @@ def test_modality_grouping_keeps_modalities_apart_and_every_id_once() -> None:
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (["--regime", "finetune", "--quality"], "--regime finetune is text-only"),
+        (["--regime", "finetune", "--quality", "--lora"], "--regime finetune with --lora"),
     ],
 )
 def test_vlm_options_fail_clearly(
@@ -214,6 +240,29 @@ def test_tiny_vlm_run_every_strategy_reports() -> None:
     assert rows["odb-padded"]["loader"]["sharding"] == "static"
     assert "cost_model='padded'" in rows["odb-padded"]["loader"]["sharding_reason"]
     assert "loader" not in rows["standard"]
+
+
+@pytest.mark.procs
+def test_finetune_regime_pretrains_one_model_every_strategy_starts_from() -> None:
+    """`--regime finetune` on the VLM: each seed's model is first trained on the
+    other rule's mix, and every strategy starts from that model (the same held-out
+    loss before its first update), which is not the random init (a scratch run's)."""
+    base = [
+        *ODB, "bench", "--model", "qwen3-vl-tiny", "--samples", "16", "--max-len", "1024",
+        "--budget", "2048", "--repeats", "1", "--eval-samples", "4", "--workers", "0",
+        "--quality", "--epochs", "1", "--strategies", "standard,odb-linear-lr", "--json",
+    ]  # fmt: skip
+    starts = {}
+    for regime in ("scratch", "finetune"):
+        cmd = [*base, "--regime", regime, "--pretrain-samples", "48"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+        assert out.returncode == 0, out.stderr[-2000:]
+        r = json.loads(out.stdout)
+        assert r["ok"] is True and r["quality"]["regime"] == regime
+        first = {n: row["runs"][0]["curve"][0][2] for n, row in r["strategies"].items()}
+        assert first["standard"] == pytest.approx(first["odb-linear-lr"], rel=1e-9), first
+        starts[regime] = first["standard"]
+    assert starts["finetune"] < starts["scratch"] - 0.05, starts
 
 
 @pytest.mark.parametrize("lora", [True, False])

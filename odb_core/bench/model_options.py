@@ -130,9 +130,11 @@ def validate(params: dict[str, Any]) -> list[str]:
 def _validate_vlm(params: dict[str, Any]) -> None:
     if importlib.util.find_spec("PIL") is None:
         raise ValueError(f"--model {params['model']} needs Pillow: pip install 'odb-core[vlm]'")
-    if params.get("regime", "scratch") != "scratch":
+    if params.get("regime", "scratch") != "scratch" and params.get("lora"):
         raise ValueError(
-            f"--regime finetune is text-only; --model {params['model']} trains scratch"
+            "--regime finetune with --lora: the first training would train the adapters "
+            "on a frozen random base, not a pretrained model; run --regime finetune for "
+            "full fine-tuning"
         )
     if params.get("lora") and importlib.util.find_spec("peft") is None:
         raise ValueError("--lora needs peft: pip install 'odb-core[peft]'")

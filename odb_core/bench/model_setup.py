@@ -16,7 +16,7 @@ import torch
 
 from odb_core.bench.model_options import PACKED_PLANS, PLANNED, WARMUP, workload_for
 from odb_core.bench.recipes import RECIPES
-from odb_core.bench.workload import SIZES, BenchCollate, LongTailText
+from odb_core.bench.workload import BenchCollate
 
 
 class Seconds:
@@ -90,13 +90,7 @@ class RankSetup:
         # another distribution (another response rule), at a fixed rate, then every
         # strategy fine-tunes that same model.
         self.pre_ds = (
-            LongTailText(
-                params["pretrain_samples"],
-                self.max_len,
-                SIZES[params["model"]][5],
-                self.seed + 104729,
-                rule=3,
-            )
+            self.wl.pretrain_dataset(params["pretrain_samples"], self.seed + 104729)
             if params.get("regime") == "finetune"
             else None
         )
@@ -224,7 +218,7 @@ class RankSetup:
             self.pre_ds,
             batch_size=self.fixed_batch,
             sampler=pre_sampler,
-            collate_fn=BenchCollate(False),
+            collate_fn=self.wl.pretrain_collate(),
         )
         opt = torch.optim.AdamW(ddp.parameters(), lr=self.params["lr"])
         for batch in pre:

@@ -19,7 +19,9 @@ LLaVA-665K-style mixes (its ShareGPT text conversations):
 
 Questions are 4-24 words (text-only: 10-40). An image's dominant colour is the
 first word of its answer, so the vision tower has something to learn; the rest of
-an answer follows a per-sample rule over a fixed word list (as `LongTailText`).
+an answer follows a per-sample rule over a fixed word list (as `LongTailText`;
+`MixParams.answer_rule` picks the rule's multiplier, so the fine-tuning regime
+pretrains on the same images and words under another rule).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class MixParams:
     answer_sigma: float = 0.6
     question: tuple[int, int] = (4, 24)
     text_question: tuple[int, int] = (10, 40)
+    answer_rule: int = 5
+    """The answers' rule multiplier (`_answer`): another value, another
+    distribution (the fine-tuning regime pretrains on 3)."""
 
 
 @dataclass(frozen=True)
@@ -109,14 +114,14 @@ def _words(rng: random.Random, n: int) -> list[str]:
     return [rng.choice(WORDS) for _ in range(n)]
 
 
-def _answer(rng: random.Random, n: int) -> list[str]:
+def _answer(rng: random.Random, n: int, rule: int = 5) -> list[str]:
     """A word sequence following a per-sample rule (learnable from its start)."""
     step = 1 + rng.randrange(7)
     at = rng.randrange(len(WORDS))
     out = []
     for _ in range(n):
         out.append(WORDS[at])
-        at = (at * 5 + step) % len(WORDS)
+        at = (at * rule + step) % len(WORDS)
     return out
 
 
@@ -148,7 +153,7 @@ def raw_sample(seed: int, i: int, p: MixParams) -> RawSample:
     fmt = "PNG" if kind is Kind.OCR_VQA else "JPEG"
     encoded = [_image(rng, side, fmt) for _ in range(images)]
     colours = tuple(c for _, c in encoded)
-    answer = [*colours, *_answer(rng, n_answer)]
+    answer = [*colours, *_answer(rng, n_answer, p.answer_rule)]
     return RawSample(
         kind,
         tuple(b for b, _ in encoded),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from odb_core.bench.vlm_data import MixParams
 from odb_core.bench.vlm_preprocess import MERGE, PATCH, TEMPORAL, VLMSFT, VOCAB, token_id
 
 if TYPE_CHECKING:
@@ -161,6 +162,14 @@ class VLMWorkload:
 
     def dataset(self, n: int, seed: int) -> VLMSFT:
         return VLMSFT(n, self.max_len, seed)
+
+    def pretrain_dataset(self, n: int, seed: int) -> VLMSFT:
+        """The fine-tuning regime's other distribution: the same kinds of images,
+        questions and colour words, the answers under another rule."""
+        return VLMSFT(n, self.max_len, seed, MixParams(answer_rule=3))
+
+    def pretrain_collate(self) -> VLMCollate:
+        return VLMCollate()
 
     def model(self, seed: int) -> Any:
         model = build_vlm(self.size, seed)

@@ -116,6 +116,13 @@ class TextWorkload:
     def dataset(self, n: int, seed: int) -> LongTailText:
         return LongTailText(n, self.max_len, SIZES[self.size][5], seed)
 
+    def pretrain_dataset(self, n: int, seed: int) -> LongTailText:
+        """The fine-tuning regime's other distribution: another response rule."""
+        return LongTailText(n, self.max_len, SIZES[self.size][5], seed, rule=3)
+
+    def pretrain_collate(self) -> BenchCollate:
+        return BenchCollate(False)
+
     def model(self, seed: int) -> Any:
         return build_model(self.size, self.max_len, seed)
 

@@ -169,7 +169,8 @@ def _add_quality_options(p: argparse.ArgumentParser) -> None:
         "--regime",
         choices=["scratch", "finetune"],
         default="scratch",
-        help="finetune: each seed's model is first trained one epoch on another distribution",
+        help="finetune: each seed's model is first trained one epoch on another distribution "
+        "(the same data under another answer rule; full fine-tuning only, not with --lora)",
     )
     q.add_argument(
         "--pretrain-samples",
