@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check odb_core simulator tests benchmarks tools examples
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy odb_core simulator
+	$(VENV)/bin/mypy odb_core simulator benchmarks
 
 # The fast tier (tests/conftest.py, README "Tests"): the pure and in-process tests,
 # no TLC, no ranks or examples as processes; `make check` adds lint and types

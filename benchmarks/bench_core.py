@@ -51,6 +51,7 @@ def test_former_throughput(benchmark: BenchmarkFixture, kind: FormerKind) -> Non
     samples = lognormal_stream(40_000)
     window = 4096 if kind is FormerKind.SORT_WINDOW_GREEDY else 256
     benchmark.pedantic(stream_through_former, args=(samples, kind, window), rounds=5)
+    assert benchmark.stats is not None
     per_s = len(samples) / benchmark.stats.stats.median
     benchmark.extra_info["samples_per_s"] = round(per_s)
     benchmark.extra_info["window"] = window
@@ -121,6 +122,7 @@ def test_checker_states_per_second(benchmark: BenchmarkFixture) -> None:
     cfg = ModelConfig(protocol, round_robin_shards([(i % 3) + 1 for i in range(8)], 2))
     report = benchmark.pedantic(check, args=(cfg,), rounds=3)
     benchmark.extra_info["states"] = report.states
+    assert benchmark.stats is not None
     benchmark.extra_info["states_per_wall_s"] = round(report.states / benchmark.stats.stats.median)
     benchmark.extra_info["states_per_cpu_s"] = round(report.states_per_s)
 

@@ -46,6 +46,7 @@ def test_one_process_loader_throughput(benchmark: BenchmarkFixture, workers: int
     plain_rates = [_epoch(plain, False) for _ in range(3)]
     odb_rates = benchmark.pedantic(lambda: _epoch(odb, True), rounds=3, iterations=1)
     del odb_rates
+    assert benchmark.stats is not None
     odb_rates = [N / s for s in benchmark.stats.stats.data]
     ratio = sorted(odb_rates)[1] / sorted(plain_rates)[1]
     benchmark.extra_info.update(

@@ -78,7 +78,9 @@ class OracleDeal:
         return self._answer
 
     def _true_work(self, r: int, c: Any, steps: int) -> int:
-        work = int(c.held_work) + sum(c.tokens[t] for t in range(min(steps, c.offered), c.offered))
+        work = int(c.held_work) + int(
+            sum(c.tokens[t] for t in range(min(steps, c.offered), c.offered))
+        )
         ids = self.dealt[r]
         while len(ids) > c.unread:
             ids.popleft()
