@@ -175,7 +175,7 @@ def test_gmt_plan_cuts_at_the_budget_and_deals_every_id() -> None:
 def test_quality_smoke_ratios_follow_the_curves() -> None:
     from odb_core.bench.quality import time_to_target
 
-    strategies = "standard,grouped,odb-padded,odb-sqrt-lr,odb-parity"
+    strategies = "standard,grouped,odb-padded,odb-max-samples,odb-sqrt-lr,odb-parity"
     cmd = [*ODB, "bench", *TINY, "--quality", "--epochs", "2", "--regime", "finetune",
            "--pretrain-samples", "16", "--strategies", strategies, "--json"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
@@ -198,10 +198,18 @@ def test_quality_smoke_ratios_follow_the_curves() -> None:
         t = time_to_target(curve, target)
         assert row["time_to_target_ratio"] == (None if t is None else pytest.approx(t / std_time))
         assert row["heldout_gap"] == pytest.approx(curve[-1][2] / target - 1)
-        if name in ("odb-padded", "odb-sqrt-lr", "odb-parity"):
+        if name.startswith("odb-"):
             assert r["strategies"][name]["equal_steps"] and r["strategies"][name]["exactly_once"]
     parity = r["strategies"]["odb-parity"]["runs"][0]
     assert parity["updates"] < parity["steps_per_rank"][0]  # windows span several steps
+    # At most B samples a step under a budget of B longest samples: the fixed run's
+    # steps (one window holds each rank's shard, so every batch but the last is full).
+    capped, fixed = (r["strategies"][n]["runs"][0] for n in ("odb-max-samples", "standard"))
+    assert capped["steps_per_rank"] == fixed["steps_per_rank"]
+    assert capped["updates"] == capped["steps_per_rank"][0]
+    assert (
+        r["strategies"]["odb-padded"]["runs"][0]["steps_per_rank"][0] < fixed["steps_per_rank"][0]
+    )
 
 
 def test_trl_bfd_rows_hold_every_id_once_under_the_budget() -> None:

@@ -23,6 +23,7 @@ STRATEGIES = (
     "trl-packed",
     "odb-padded",
     "odb-packed",
+    "odb-max-samples",
     "odb-sqrt-lr",
     "odb-linear-lr",
     "odb-parity",
@@ -31,7 +32,7 @@ STRATEGIES = (
 ODB_STRATEGIES = tuple(RECIPES)
 THROUGHPUT_DEFAULT = ("standard", "grouped", "gmt", "odb-padded", "odb-packed", "odb-ref")
 VLM_DEFAULT = ("standard", "grouped", "grouped-estimate", "gmt", "odb-padded", "odb-packed")
-VLM_QUALITY_DEFAULT = (*VLM_DEFAULT, "odb-linear-lr")
+VLM_QUALITY_DEFAULT = (*VLM_DEFAULT, "odb-max-samples", "odb-linear-lr")
 PLANNED = ("gmt", "grouped", "grouped-estimate", "trl-packed")  # offline plans (_Batches)
 PACKED_PLANS = ("trl-packed",)
 QUALITY_DEFAULT = tuple(

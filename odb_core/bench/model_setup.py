@@ -182,6 +182,8 @@ class RankSetup:
 
         recipe = RECIPES[name]
         kw: dict[str, Any] = {"token_budget": self.budget, "seed": data_seed, **self.odb_kw}
+        if recipe.fixed_count:
+            kw["max_samples"] = self.fixed_batch
         if recipe.parity:
             assert self.profile is not None
             kw["token_budget"] = self.max_len

@@ -3,11 +3,13 @@
 `odb-padded` / `odb-packed` train at the fixed run's learning rate on larger,
 fewer updates. The documented ways to keep quality when batches grow
 (docs/TRAINERS.md, "Token-aware learning rate, and matching a fixed batch"):
-`odb-sqrt-lr` / `odb-linear-lr` keep the large updates and scale each update's
-rate by its window's loss tokens over the fixed batch's (`TokenScaling`, square
-root or linear); `odb-parity` keeps the fixed run's updates
-(`tokens_per_update=match_fixed_batch(...)`) with a per-step budget of one
-longest sample, so a step's loss tokens stay below the window's target.
+`odb-max-samples` keeps the fixed run's steps (`max_samples=B` under the fixed
+run's budget: at most B samples a step, formed from a window sorted by cost, so
+a pass-free `group_by_length`); `odb-sqrt-lr` / `odb-linear-lr` keep the large
+updates and scale each update's rate by its window's loss tokens over the fixed
+batch's (`TokenScaling`, square root or linear); `odb-parity` keeps the fixed
+run's updates (`tokens_per_update=match_fixed_batch(...)`) with a per-step budget
+of one longest sample, so a step's loss tokens stay below the window's target.
 In `--quality` runs every odb recipe's schedule is `ProgressLR` (it ends on the
 last update); the recipes with a token rule or parity run only there.
 """
@@ -25,6 +27,7 @@ class Recipe:
     packed: bool  # pack_collate (varlen attention) instead of pad_collate
     lr_tokens: TokenRule | None = None  # token-aware rate against the fixed batch's tokens
     parity: bool = False  # tokens_per_update = the fixed batch's, budget = one longest sample
+    fixed_count: bool = False  # max_samples = the fixed batch size B, the fixed run's budget
 
     @property
     def quality_only(self) -> bool:
@@ -34,6 +37,7 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     "odb-padded": Recipe("padded", packed=False),
     "odb-packed": Recipe("packed", packed=True),
+    "odb-max-samples": Recipe("padded", packed=False, fixed_count=True),
     "odb-sqrt-lr": Recipe("padded", packed=False, lr_tokens=TokenRule.SQRT),
     "odb-linear-lr": Recipe("padded", packed=False, lr_tokens=TokenRule.LINEAR),
     "odb-parity": Recipe("padded", packed=False, parity=True),
