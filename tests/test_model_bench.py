@@ -175,7 +175,9 @@ def test_gmt_plan_cuts_at_the_budget_and_deals_every_id() -> None:
 def test_quality_smoke_ratios_follow_the_curves() -> None:
     from odb_core.bench.quality import time_to_target
 
-    strategies = "standard,grouped,odb-padded,odb-max-samples,odb-sqrt-lr,odb-parity"
+    strategies = (
+        "standard,grouped,odb-padded,odb-max-samples,odb-max-samples-packed,odb-sqrt-lr,odb-parity"
+    )
     cmd = [*ODB, "bench", *TINY, "--quality", "--epochs", "2", "--regime", "finetune",
            "--pretrain-samples", "16", "--strategies", strategies, "--json"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
@@ -210,6 +212,10 @@ def test_quality_smoke_ratios_follow_the_curves() -> None:
     assert (
         r["strategies"]["odb-padded"]["runs"][0]["steps_per_rank"][0] < fixed["steps_per_rank"][0]
     )
+    # Packed (dynamic sharding, window 64): at most B samples a step still, so no
+    # fewer steps than the fixed run's (packed rows without the cap hold more).
+    packed = r["strategies"]["odb-max-samples-packed"]["runs"][0]
+    assert packed["steps_per_rank"][0] >= fixed["steps_per_rank"][0]
 
 
 def test_trl_bfd_rows_hold_every_id_once_under_the_budget() -> None:

@@ -17,8 +17,9 @@ Strategies (all under the same peak-token budget per step and rank):
   packing for vision datasets);
 - `odb-padded`, `odb-packed`: ODBDataLoader with the padded / packed cost model
   (`pad_collate` / `pack_collate`, varlen attention);
-- `odb-max-samples`: `odb-padded` with `max_samples` the fixed batch size B (the
-  fixed run's steps, each formed from a window sorted by cost);
+- `odb-max-samples`, `odb-max-samples-packed`: `odb-padded` / `odb-packed` with
+  `max_samples` the fixed batch size B (the fixed run's steps, each formed from a
+  window sorted by cost);
 - `odb-ref`: the PyPI package `online-dynamic-batching` (import `odb`), only when
   it is installed, with its README's settings (exact loss scaling, join);
 - `odb-sqrt-lr`, `odb-linear-lr`, `odb-parity` (`--quality` only): the documented

@@ -24,6 +24,7 @@ STRATEGIES = (
     "odb-padded",
     "odb-packed",
     "odb-max-samples",
+    "odb-max-samples-packed",
     "odb-sqrt-lr",
     "odb-linear-lr",
     "odb-parity",

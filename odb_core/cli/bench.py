@@ -151,8 +151,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="comma-separated subset to run (default: standard, grouped, gmt, odb-padded, "
         "odb-packed, odb-ref; with --quality every strategy and recipe but odb-ref; "
         "qwen3-vl-tiny: standard, grouped, grouped-estimate, gmt, odb-padded, odb-packed; with "
-        "--quality also odb-max-samples, odb-linear-lr); odb-max-samples: odb-padded at most "
-        "the fixed batch size a step",
+        "--quality also odb-max-samples, odb-linear-lr); odb-max-samples[-packed]: "
+        "odb-padded [odb-packed] at most the fixed batch size a step",
     )
     return m
 
