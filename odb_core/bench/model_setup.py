@@ -182,7 +182,7 @@ class RankSetup:
 
         recipe = RECIPES[name]
         kw: dict[str, Any] = {"token_budget": self.budget, "seed": data_seed, **self.odb_kw}
-        if recipe.fixed_count:
+        if recipe.max_samples_fixed_batch:
             kw["max_samples"] = self.fixed_batch
         if recipe.parity:
             assert self.profile is not None

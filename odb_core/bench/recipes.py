@@ -28,7 +28,7 @@ class Recipe:
     packed: bool  # pack_collate (varlen attention) instead of pad_collate
     lr_tokens: TokenRule | None = None  # token-aware rate against the fixed batch's tokens
     parity: bool = False  # tokens_per_update = the fixed batch's, budget = one longest sample
-    fixed_count: bool = False  # max_samples = the fixed batch size B, the fixed run's budget
+    max_samples_fixed_batch: bool = False  # max_samples = B, under the fixed run's budget
 
     @property
     def quality_only(self) -> bool:
@@ -38,8 +38,8 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     "odb-padded": Recipe("padded", packed=False),
     "odb-packed": Recipe("packed", packed=True),
-    "odb-max-samples": Recipe("padded", packed=False, fixed_count=True),
-    "odb-max-samples-packed": Recipe("packed", packed=True, fixed_count=True),
+    "odb-max-samples": Recipe("padded", packed=False, max_samples_fixed_batch=True),
+    "odb-max-samples-packed": Recipe("packed", packed=True, max_samples_fixed_batch=True),
     "odb-sqrt-lr": Recipe("padded", packed=False, lr_tokens=TokenRule.SQRT),
     "odb-linear-lr": Recipe("padded", packed=False, lr_tokens=TokenRule.LINEAR),
     "odb-parity": Recipe("padded", packed=False, parity=True),

@@ -114,7 +114,7 @@ def _words(rng: random.Random, n: int) -> list[str]:
     return [rng.choice(WORDS) for _ in range(n)]
 
 
-def _answer(rng: random.Random, n: int, rule: int = 5) -> list[str]:
+def _answer(rng: random.Random, n: int, rule: int) -> list[str]:
     """A word sequence following a per-sample rule (learnable from its start)."""
     step = 1 + rng.randrange(7)
     at = rng.randrange(len(WORDS))
@@ -167,6 +167,6 @@ def corpus(seed: int, n: int = 400) -> list[str]:
     """Text to train the bench's tokenizer on (the same word list and rules)."""
     rng = random.Random(seed)
     out = [" ".join(_words(rng, 20)) for _ in range(n)]
-    out += [" ".join(_answer(rng, 40)) for _ in range(n)]
+    out += [" ".join(_answer(rng, 40, MixParams.answer_rule)) for _ in range(n)]
     out += [" ".join(sorted(COLOURS))] * 10
     return out
